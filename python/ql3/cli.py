@@ -1,0 +1,161 @@
+"""The ``ql3`` command line. Each command module adds its subcommands with ``register``;
+every command reads QL3_DSN (and QL3_REDIS_URL) when no flag is given."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ql3 import canonical, errors
+from ql3.db import dsn_from_env
+from ql3.store import PgStore
+
+# Modules that contribute subcommands; a module missing from this install is skipped.
+COMMAND_MODULES = ("ql3.migrate", "ql3.relay", "ql3.invocations_cli", "ql3.recovery")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False))
+
+
+def _actor(args: argparse.Namespace) -> str:
+    return str(args.actor or os.environ.get("QL3_ACTOR") or os.environ.get("USER") or "ql3-cli")
+
+
+def _read_body(args: argparse.Namespace) -> Any:
+    if args.body_file:
+        text = sys.stdin.read() if args.body_file == "-" else Path(args.body_file).read_text()
+    else:
+        text = args.body
+    return canonical.parse_json(text)
+
+
+def _revision_put(args: argparse.Namespace) -> int:
+    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+        print_json(store.put_revision(args.project, args.family, args.contract,
+                                      _read_body(args), _actor(args)))  # fmt: skip
+    return 0
+
+
+def _revision_activate(args: argparse.Namespace) -> int:
+    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+        event = store.activate_revision(
+            args.project, args.family, args.contract, args.revision, _actor(args), args.expect
+        )
+    print_json(event if event is not None else {"status": "already active"})
+    return 0
+
+
+def _revision_revoke(args: argparse.Namespace) -> int:
+    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+        event = store.revoke_revision(args.revision, _actor(args), args.reason)
+    print_json(event if event is not None else {"status": "already revoked"})
+    return 0
+
+
+def _revision_show(args: argparse.Namespace) -> int:
+    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+        if args.revision:
+            row = store.revision(args.revision)
+            if row is None:
+                raise errors.NotFound(f"QL3_NOT_FOUND: revision {args.revision} does not exist")
+        else:
+            row = store.active_revision(args.project, args.family, args.contract)
+            if row is None:
+                raise errors.NotFound(
+                    f"QL3_NOT_FOUND: no active revision of {args.project}/{args.family}/"
+                    f"{args.contract}"
+                )
+    print_json(row)
+    return 0
+
+
+def add_dsn(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dsn", help="PostgreSQL conninfo (default: $QL3_DSN)")
+
+
+def _contract_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("--project", required=required, help="project_id")
+    parser.add_argument("--family", required=required, help="contract family, e.g. policy_routing")
+    parser.add_argument("--contract", required=required, help="contract_id")
+
+
+def register_revision(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    revision = subparsers.add_parser("revision", help="put, activate, revoke and show revisions")
+    verbs = revision.add_subparsers(dest="verb", required=True)
+
+    put = verbs.add_parser("put", help="store a revision (idempotent on the same body)")
+    _contract_args(put)
+    source = put.add_mutually_exclusive_group(required=True)
+    source.add_argument("--body", help="the JSON object")
+    source.add_argument("--body-file", help="a file holding the JSON object, or - for stdin")
+    put.set_defaults(func=_revision_put)
+
+    activate = verbs.add_parser("activate", help="make a revision the active one")
+    _contract_args(activate)
+    activate.add_argument("--revision", required=True, help="revision_id")
+    activate.add_argument("--expect", help="compare-and-set: the revision_id expected active now")
+    activate.set_defaults(func=_revision_activate)
+
+    revoke = verbs.add_parser("revoke", help="revoke a revision for good")
+    revoke.add_argument("revision", help="revision_id")
+    revoke.add_argument("--reason", required=True)
+    revoke.set_defaults(func=_revision_revoke)
+
+    show = verbs.add_parser("show", help="the active revision of a contract, or one by id")
+    _contract_args(show, required=False)
+    show.add_argument("--revision", help="show this revision_id instead of the active one")
+    show.set_defaults(func=_revision_show)
+
+    for verb in (put, activate, revoke, show):
+        add_dsn(verb)
+        if verb is not show:
+            verb.add_argument("--actor", help="who acts (default: $QL3_ACTOR or $USER)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ql3", description="Durable contract revisions and model invocations on PostgreSQL."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register_revision(subparsers)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    showing_active = args.command == "revision" and args.verb == "show" and not args.revision
+    if showing_active and not (args.project and args.family and args.contract):
+        parser.error("revision show needs --revision, or --project, --family and --contract")
+    func: Handler = args.func
+    try:
+        return func(args)
+    except errors.Ql3Error as exc:
+        text = exc.message if exc.message.startswith(exc.code) else f"{exc.code}: {exc.message}"
+        print(f"error: {text}", file=sys.stderr)
+        if exc.detail:
+            print(f"detail: {exc.detail}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

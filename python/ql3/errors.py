@@ -1,0 +1,108 @@
+"""Stable error codes of ql3, mapped from PostgreSQL SQLSTATEs to Python exceptions.
+
+Callers catch these classes (or test ``.code``) and never need to import psycopg.
+"""
+
+from __future__ import annotations
+
+
+class Ql3Error(Exception):
+    """Base class of every ql3 error; ``code`` is the stable name (SPEC section 6)."""
+
+    code = "QL3_ERROR"
+    sqlstate: str | None = None
+
+    def __init__(self, message: str = "", *, detail: str | None = None) -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+        self.detail = detail
+
+
+class InvalidArgument(Ql3Error, ValueError):
+    code = "QL3_INVALID_ARGUMENT"
+    sqlstate = "Q3V01"
+
+
+class RecordTooLarge(InvalidArgument):
+    code = "QL3_RECORD_TOO_LARGE"
+    sqlstate = "Q3V02"
+
+
+class IdentifierTooLong(InvalidArgument):
+    code = "QL3_IDENTIFIER_TOO_LONG"
+    sqlstate = "Q3V03"
+
+
+class NotFound(Ql3Error, LookupError):
+    code = "QL3_NOT_FOUND"
+    sqlstate = "Q3N01"
+
+
+class Conflict(Ql3Error):
+    code = "QL3_CONFLICT"
+    sqlstate = "Q3C01"
+
+
+class StaleRevision(Conflict):
+    code = "QL3_STALE_REVISION"
+    sqlstate = "Q3C02"
+
+
+class IllegalTransition(Ql3Error):
+    code = "QL3_ILLEGAL_TRANSITION"
+    sqlstate = "Q3S01"
+
+
+class RevisionRevoked(Ql3Error):
+    code = "QL3_REVISION_REVOKED"
+    sqlstate = "Q3R01"
+
+
+class Unavailable(Ql3Error):
+    """The database could not be reached or did not answer in time."""
+
+    code = "QL3_UNAVAILABLE"
+
+
+class PermissionDenied(Ql3Error, PermissionError):
+    """The connected role lacks the grant for this call (SQLSTATE 42501)."""
+
+    code = "QL3_PERMISSION_DENIED"
+
+
+class DatabaseError(Ql3Error):
+    """Any other database error; the message carries the SQLSTATE."""
+
+    code = "QL3_DATABASE_ERROR"
+
+
+class MigrationError(Ql3Error):
+    """A migration was refused: checksum drift, a database ahead of the code, a bad file."""
+
+    code = "QL3_MIGRATION_REFUSED"
+
+
+BY_SQLSTATE: dict[str, type[Ql3Error]] = {
+    cls.sqlstate: cls
+    for cls in (
+        InvalidArgument,
+        RecordTooLarge,
+        IdentifierTooLong,
+        NotFound,
+        Conflict,
+        StaleRevision,
+        IllegalTransition,
+        RevisionRevoked,
+    )
+    if cls.sqlstate is not None
+}
+
+BY_CODE: dict[str, type[Ql3Error]] = {cls.code: cls for cls in BY_SQLSTATE.values()}
+
+
+def from_sqlstate(sqlstate: str | None, message: str, detail: str | None = None) -> Ql3Error | None:
+    """The ql3 exception for a custom SQLSTATE, or None when the state is not one of ours."""
+    cls = BY_SQLSTATE.get(sqlstate or "")
+    if cls is None:
+        return None
+    return cls(message, detail=detail)

@@ -1,0 +1,596 @@
+-- Contract revisions, active pointers and the transactional outbox (SPEC section 3).
+--
+-- Revisions are immutable; activation swaps the pointer and appends an outbox row in
+-- the caller's transaction, and the outbox trigger NOTIFYs the relay at COMMIT.
+
+ALTER DEFAULT PRIVILEGES FOR ROLE ql3_owner REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;  -- noqa: CP02
+
+CREATE TABLE ql3.contract_families (
+    contract_family text PRIMARY KEY,
+    max_staleness_seconds integer NOT NULL CHECK (max_staleness_seconds > 0),
+    description text NOT NULL
+);
+
+COMMENT ON TABLE ql3.contract_families IS
+'Known contract families and how stale a cached revision of each may be before it is re-verified.';
+
+INSERT INTO ql3.contract_families (contract_family, max_staleness_seconds, description) VALUES
+('policy_routing', 30, 'model routing policy: which provider and model a call runs under'),
+('channel_event', 300, 'channel event handling configuration'),
+('platform_resource', 30, 'platform resources such as the ollama_topology endpoints');
+
+CREATE TABLE ql3.contract_revisions (
+    revision_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    project_id text NOT NULL CHECK (char_length(project_id) BETWEEN 1 AND 128),
+    contract_family text NOT NULL REFERENCES ql3.contract_families (contract_family),
+    contract_id text NOT NULL CHECK (char_length(contract_id) BETWEEN 1 AND 128),
+    revision_no integer NOT NULL CHECK (revision_no >= 1),
+    body jsonb NOT NULL CHECK (jsonb_typeof(body) = 'object'),
+    body_hash text NOT NULL CHECK (body_hash ~ '^[0-9a-f]{64}$'),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    created_by text NOT NULL CHECK (char_length(created_by) BETWEEN 1 AND 128),
+    UNIQUE (project_id, contract_family, contract_id, revision_no),
+    UNIQUE (project_id, contract_family, contract_id, body_hash)
+);
+
+COMMENT ON TABLE ql3.contract_revisions IS
+'Immutable contract documents; body_hash = digest(''ql3/contract-body@v1'', body).';
+
+CREATE TABLE ql3.revision_revocations (
+    revision_id uuid PRIMARY KEY REFERENCES ql3.contract_revisions (revision_id),
+    reason text NOT NULL CHECK (char_length(reason) BETWEEN 1 AND 1024),
+    revoked_at timestamptz NOT NULL DEFAULT now(),
+    revoked_by text NOT NULL CHECK (char_length(revoked_by) BETWEEN 1 AND 128)
+);
+
+COMMENT ON TABLE ql3.revision_revocations IS
+'Immutable revocations: a revoked revision can never be activated again.';
+
+CREATE TABLE ql3.active_revisions (
+    project_id text NOT NULL,
+    contract_family text NOT NULL REFERENCES ql3.contract_families (contract_family),
+    contract_id text NOT NULL,
+    active_revision_id uuid REFERENCES ql3.contract_revisions (revision_id),
+    pointer_version bigint NOT NULL DEFAULT 0 CHECK (pointer_version >= 0),
+    last_revision_no integer NOT NULL DEFAULT 0 CHECK (last_revision_no >= 0),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    updated_by text NOT NULL,
+    PRIMARY KEY (project_id, contract_family, contract_id)
+);
+
+COMMENT ON TABLE ql3.active_revisions IS
+'The active pointer per contract; pointer_version grows by one on every change. NULL = none active.';
+
+COMMENT ON COLUMN ql3.active_revisions.last_revision_no IS
+'Highest revision_no stored for the contract. put_revision bumps it, so concurrent puts '
+'under REPEATABLE READ fail with a serialization error instead of a duplicate number.';
+
+CREATE TABLE ql3.contract_outbox (
+    seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id uuid NOT NULL UNIQUE DEFAULT gen_random_uuid(),
+    event_type text NOT NULL CHECK (event_type IN ('revision_activated', 'revision_revoked')),
+    project_id text NOT NULL,
+    contract_family text NOT NULL,
+    contract_id text NOT NULL,
+    old_revision_id uuid REFERENCES ql3.contract_revisions (revision_id),
+    new_revision_id uuid NOT NULL REFERENCES ql3.contract_revisions (revision_id),
+    pointer_version bigint NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    delivered_at timestamptz,
+    relay_attempts integer NOT NULL DEFAULT 0,
+    last_error text
+);
+
+COMMENT ON TABLE ql3.contract_outbox IS
+'Transactional outbox of pointer changes; only delivered_at, relay_attempts and last_error ever change.';
+
+CREATE INDEX contract_outbox_undelivered ON ql3.contract_outbox (seq) WHERE delivered_at IS NULL;
+
+-- Immutability: enforced by trigger so that it binds the owner too.
+
+CREATE FUNCTION ql3._reject_mutation() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = 'Q3S01',
+        MESSAGE = format('QL3_ILLEGAL_TRANSITION: %s.%s is immutable (%s refused)',
+                         TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_OP);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._reject_mutation() IS 'Trigger: refuses UPDATE, DELETE and TRUNCATE on immutable tables.';
+
+CREATE TRIGGER contract_revisions_immutable
+BEFORE UPDATE OR DELETE ON ql3.contract_revisions
+FOR EACH ROW EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER contract_revisions_no_truncate
+BEFORE TRUNCATE ON ql3.contract_revisions
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER revision_revocations_immutable
+BEFORE UPDATE OR DELETE ON ql3.revision_revocations
+FOR EACH ROW EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER revision_revocations_no_truncate
+BEFORE TRUNCATE ON ql3.revision_revocations
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE FUNCTION ql3._guard_outbox() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        IF OLD.delivered_at IS NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3S01',
+                MESSAGE = format('QL3_ILLEGAL_TRANSITION: outbox row %s is not delivered yet', OLD.seq);
+        END IF;
+        RETURN OLD;
+    END IF;
+    IF (NEW.seq, NEW.event_id, NEW.event_type, NEW.project_id, NEW.contract_family, NEW.contract_id,
+        NEW.old_revision_id, NEW.new_revision_id, NEW.pointer_version, NEW.created_at)
+       IS DISTINCT FROM
+       (OLD.seq, OLD.event_id, OLD.event_type, OLD.project_id, OLD.contract_family, OLD.contract_id,
+        OLD.old_revision_id, OLD.new_revision_id, OLD.pointer_version, OLD.created_at) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3S01',
+            MESSAGE = 'QL3_ILLEGAL_TRANSITION: only the delivery columns of ql3.contract_outbox may change';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._guard_outbox() IS
+'Trigger: outbox rows change only in their delivery columns and are deleted only once delivered.';
+
+CREATE TRIGGER contract_outbox_guard
+BEFORE UPDATE OR DELETE ON ql3.contract_outbox
+FOR EACH ROW EXECUTE FUNCTION ql3._guard_outbox();
+
+CREATE TRIGGER contract_outbox_no_truncate
+BEFORE TRUNCATE ON ql3.contract_outbox
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE FUNCTION ql3._notify_outbox() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    PERFORM pg_notify('ql3_contract_outbox',
+                      json_build_object('seq', NEW.seq, 'project_id', NEW.project_id)::text);
+    RETURN NULL;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._notify_outbox() IS
+'Trigger: wakes relays; PostgreSQL delivers the notification at COMMIT only.';
+
+CREATE TRIGGER contract_outbox_notify
+AFTER INSERT ON ql3.contract_outbox
+FOR EACH ROW EXECUTE FUNCTION ql3._notify_outbox();
+
+-- Argument checks shared by the functions below.
+
+CREATE FUNCTION ql3._check_identifier(field text, value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    IF value IS NULL OR value = '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s is required', field);
+    END IF;
+    IF char_length(value) > 128 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V03',
+            MESSAGE = format('QL3_IDENTIFIER_TOO_LONG: %s has %s characters (at most 128)',
+                             field, char_length(value));
+    END IF;
+    RETURN value;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._check_identifier(text, text) IS 'Raises unless value is 1..128 characters.';
+
+CREATE FUNCTION ql3._check_family(family text) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    PERFORM ql3._check_identifier('contract_family', family);
+    IF NOT EXISTS (SELECT 1 FROM ql3.contract_families AS f WHERE f.contract_family = family) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: unknown contract family %L', family),
+            HINT = 'known families are listed in ql3.contract_families';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._check_family(text) IS 'Raises unless family is a row of ql3.contract_families.';
+
+-- Locks the pointer row of a contract, creating it (no active revision) on first use.
+CREATE FUNCTION ql3._lock_pointer(p_project_id text, p_family text, p_contract_id text, p_actor text)
+RETURNS ql3.active_revisions
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    pointer ql3.active_revisions;
+BEGIN
+    SELECT * INTO pointer FROM ql3.active_revisions AS a
+    WHERE a.project_id = p_project_id AND a.contract_family = p_family AND a.contract_id = p_contract_id
+    FOR UPDATE;
+    IF NOT found THEN
+        INSERT INTO ql3.active_revisions (project_id, contract_family, contract_id, updated_by)
+        VALUES (p_project_id, p_family, p_contract_id, p_actor)
+        ON CONFLICT DO NOTHING;
+        SELECT * INTO pointer FROM ql3.active_revisions AS a
+        WHERE a.project_id = p_project_id AND a.contract_family = p_family AND a.contract_id = p_contract_id
+        FOR UPDATE;
+    END IF;
+    RETURN pointer;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._lock_pointer(text, text, text, text) IS
+'Serialises writers of one contract on its pointer row (created empty on first use).';
+
+CREATE FUNCTION ql3.put_revision(
+    p_project_id text, p_contract_family text, p_contract_id text, p_body jsonb, p_actor text
+) RETURNS ql3.contract_revisions
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    hash text;
+    body_bytes integer;
+    next_no integer;
+    result ql3.contract_revisions;
+BEGIN
+    PERFORM ql3._check_identifier('project_id', p_project_id);
+    PERFORM ql3._check_family(p_contract_family);
+    PERFORM ql3._check_identifier('contract_id', p_contract_id);
+    PERFORM ql3._check_identifier('actor', p_actor);
+    IF p_body IS NULL OR jsonb_typeof(p_body) <> 'object' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: body must be a JSON object, not %s',
+                             coalesce(jsonb_typeof(p_body), 'NULL'));
+    END IF;
+    body_bytes := octet_length(ql3.jcs(p_body));
+    IF body_bytes > 24576 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V02',
+            MESSAGE = format('QL3_RECORD_TOO_LARGE: body is %s bytes of canonical JSON (at most 24576)',
+                             body_bytes);
+    END IF;
+    hash := ql3.digest('ql3/contract-body@v1', p_body);
+
+    PERFORM ql3._lock_pointer(p_project_id, p_contract_family, p_contract_id, p_actor);
+
+    SELECT * INTO result FROM ql3.contract_revisions AS r
+    WHERE r.project_id = p_project_id AND r.contract_family = p_contract_family
+      AND r.contract_id = p_contract_id AND r.body_hash = hash;
+    IF found THEN
+        RETURN result;
+    END IF;
+
+    UPDATE ql3.active_revisions AS a
+    SET last_revision_no = a.last_revision_no + 1
+    WHERE a.project_id = p_project_id AND a.contract_family = p_contract_family
+      AND a.contract_id = p_contract_id
+    RETURNING a.last_revision_no INTO next_no;
+
+    INSERT INTO ql3.contract_revisions
+        (project_id, contract_family, contract_id, revision_no, body, body_hash, created_by)
+    VALUES (p_project_id, p_contract_family, p_contract_id, next_no, p_body, hash, p_actor)
+    RETURNING * INTO result;
+    RETURN result;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.put_revision(text, text, text, jsonb, text) IS
+'Stores a new immutable revision (revision_no n+1), or returns the existing one with the same body.';
+
+CREATE FUNCTION ql3._revision_of(p_revision_id uuid) RETURNS ql3.contract_revisions
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    result ql3.contract_revisions;
+BEGIN
+    IF p_revision_id IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: revision_id is required';
+    END IF;
+    SELECT * INTO result FROM ql3.contract_revisions AS r WHERE r.revision_id = p_revision_id;
+    IF NOT found THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3N01',
+            MESSAGE = format('QL3_NOT_FOUND: revision %s does not exist', p_revision_id);
+    END IF;
+    RETURN result;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._revision_of(uuid) IS 'The revision row, or QL3_NOT_FOUND.';
+
+CREATE FUNCTION ql3.activate_revision(
+    p_project_id text,
+    p_contract_family text,
+    p_contract_id text,
+    p_revision_id uuid,
+    p_actor text,
+    p_expected_active_revision_id uuid DEFAULT NULL
+) RETURNS ql3.contract_outbox
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    pointer ql3.active_revisions;
+    revision ql3.contract_revisions;
+    event ql3.contract_outbox;
+BEGIN
+    PERFORM ql3._check_identifier('project_id', p_project_id);
+    PERFORM ql3._check_family(p_contract_family);
+    PERFORM ql3._check_identifier('contract_id', p_contract_id);
+    PERFORM ql3._check_identifier('actor', p_actor);
+    revision := ql3._revision_of(p_revision_id);
+    IF (revision.project_id, revision.contract_family, revision.contract_id)
+       IS DISTINCT FROM (p_project_id, p_contract_family, p_contract_id) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: revision %s belongs to %s/%s/%s, not %s/%s/%s',
+                             p_revision_id, revision.project_id, revision.contract_family,
+                             revision.contract_id, p_project_id, p_contract_family, p_contract_id);
+    END IF;
+
+    pointer := ql3._lock_pointer(p_project_id, p_contract_family, p_contract_id, p_actor);
+
+    IF EXISTS (SELECT 1 FROM ql3.revision_revocations AS v WHERE v.revision_id = p_revision_id) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3R01',
+            MESSAGE = format('QL3_REVISION_REVOKED: revision %s is revoked and cannot be activated',
+                             p_revision_id);
+    END IF;
+    IF p_expected_active_revision_id IS NOT NULL
+       AND pointer.active_revision_id IS DISTINCT FROM p_expected_active_revision_id THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: expected active revision %s but %s is active',
+                             p_expected_active_revision_id, coalesce(pointer.active_revision_id::text, 'none')),
+            DETAIL = coalesce(pointer.active_revision_id::text, '');
+    END IF;
+    IF pointer.active_revision_id = p_revision_id THEN
+        RETURN NULL;
+    END IF;
+
+    UPDATE ql3.active_revisions AS a
+    SET active_revision_id = p_revision_id,
+        pointer_version = a.pointer_version + 1,
+        updated_at = now(),
+        updated_by = p_actor
+    WHERE a.project_id = p_project_id AND a.contract_family = p_contract_family
+      AND a.contract_id = p_contract_id;
+
+    INSERT INTO ql3.contract_outbox
+        (event_type, project_id, contract_family, contract_id, old_revision_id, new_revision_id,
+         pointer_version)
+    VALUES
+        ('revision_activated', p_project_id, p_contract_family, p_contract_id,
+         pointer.active_revision_id, p_revision_id, pointer.pointer_version + 1)
+    RETURNING * INTO event;
+    RETURN event;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.activate_revision(text, text, text, uuid, text, uuid) IS
+'Swaps the active pointer and appends a revision_activated outbox row in one transaction; NULL if already active.';
+
+CREATE FUNCTION ql3.revoke_revision(p_revision_id uuid, p_actor text, p_reason text)
+RETURNS ql3.contract_outbox
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    pointer ql3.active_revisions;
+    revision ql3.contract_revisions;
+    event ql3.contract_outbox;
+    was_active boolean;
+BEGIN
+    PERFORM ql3._check_identifier('actor', p_actor);
+    IF p_reason IS NULL OR p_reason = '' OR char_length(p_reason) > 1024 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = 'QL3_INVALID_ARGUMENT: reason is required (1..1024 characters)';
+    END IF;
+    revision := ql3._revision_of(p_revision_id);
+    pointer := ql3._lock_pointer(revision.project_id, revision.contract_family, revision.contract_id, p_actor);
+
+    IF EXISTS (SELECT 1 FROM ql3.revision_revocations AS v WHERE v.revision_id = p_revision_id) THEN
+        RETURN NULL;
+    END IF;
+    -- Under REPEATABLE READ a revocation committed after our snapshot is invisible to the
+    -- check above; ON CONFLICT then raises a serialization failure instead of 23505.
+    INSERT INTO ql3.revision_revocations (revision_id, reason, revoked_by)
+    VALUES (p_revision_id, p_reason, p_actor)
+    ON CONFLICT (revision_id) DO NOTHING;
+    IF NOT found THEN
+        RETURN NULL;
+    END IF;
+
+    was_active := pointer.active_revision_id IS NOT DISTINCT FROM p_revision_id;
+    IF was_active THEN
+        UPDATE ql3.active_revisions AS a
+        SET active_revision_id = NULL,
+            pointer_version = a.pointer_version + 1,
+            updated_at = now(),
+            updated_by = p_actor
+        WHERE a.project_id = revision.project_id AND a.contract_family = revision.contract_family
+          AND a.contract_id = revision.contract_id;
+    END IF;
+
+    INSERT INTO ql3.contract_outbox
+        (event_type, project_id, contract_family, contract_id, old_revision_id, new_revision_id,
+         pointer_version)
+    VALUES
+        ('revision_revoked', revision.project_id, revision.contract_family, revision.contract_id,
+         pointer.active_revision_id, p_revision_id,
+         pointer.pointer_version + CASE WHEN was_active THEN 1 ELSE 0 END)
+    RETURNING * INTO event;
+    RETURN event;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.revoke_revision(uuid, text, text) IS
+'Revokes a revision for good; if it was active the pointer becomes NULL. NULL if already revoked.';
+
+CREATE FUNCTION ql3.active_revision(p_project_id text, p_contract_family text, p_contract_id text)
+RETURNS TABLE (revision_id uuid, revision_no integer, body jsonb, body_hash text, pointer_version bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+    SELECT r.revision_id, r.revision_no, r.body, r.body_hash, a.pointer_version
+    FROM ql3.active_revisions AS a
+    INNER JOIN ql3.contract_revisions AS r ON r.revision_id = a.active_revision_id
+    WHERE a.project_id = p_project_id AND a.contract_family = p_contract_family
+      AND a.contract_id = p_contract_id;
+$$;
+
+COMMENT ON FUNCTION ql3.active_revision(text, text, text) IS
+'The active revision of one contract with its pointer_version; no row when none is active.';
+
+CREATE FUNCTION ql3.active_pointers(p_keys jsonb)
+RETURNS TABLE (
+    project_id text, contract_family text, contract_id text, revision_id uuid, pointer_version bigint
+)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    IF p_keys IS NULL OR jsonb_typeof(p_keys) <> 'array'
+       OR EXISTS (
+           SELECT 1 FROM jsonb_array_elements(p_keys) AS k (key)
+           WHERE jsonb_typeof(k.key) <> 'array' OR jsonb_array_length(k.key) <> 3
+              OR jsonb_typeof(k.key -> 0) <> 'string' OR jsonb_typeof(k.key -> 1) <> 'string'
+              OR jsonb_typeof(k.key -> 2) <> 'string'
+       ) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = 'QL3_INVALID_ARGUMENT: keys must be an array of [project_id, contract_family, contract_id]';
+    END IF;
+    RETURN QUERY
+    SELECT k.key ->> 0, k.key ->> 1, k.key ->> 2, a.active_revision_id, coalesce(a.pointer_version, 0)
+    FROM jsonb_array_elements(p_keys) WITH ORDINALITY AS k (key, ord)
+    LEFT JOIN ql3.active_revisions AS a
+        ON a.project_id = k.key ->> 0 AND a.contract_family = k.key ->> 1 AND a.contract_id = k.key ->> 2
+    ORDER BY k.ord;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.active_pointers(jsonb) IS
+'One row per [project_id, family, contract_id] key: the active revision_id (NULL if none) and pointer_version.';
+
+CREATE FUNCTION ql3.claim_outbox(p_limit integer)
+RETURNS SETOF ql3.contract_outbox
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    IF p_limit IS NULL OR p_limit < 1 OR p_limit > 10000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: limit must be 1..10000';
+    END IF;
+    RETURN QUERY
+    SELECT * FROM ql3.contract_outbox AS o
+    WHERE o.delivered_at IS NULL
+    ORDER BY o.seq
+    LIMIT p_limit
+    FOR UPDATE SKIP LOCKED;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.claim_outbox(integer) IS
+'Locks up to p_limit undelivered rows in seq order for the caller''s transaction, skipping rows other relays hold.';
+
+CREATE FUNCTION ql3.mark_outbox_delivered(p_seqs bigint []) RETURNS integer
+LANGUAGE sql
+SET search_path = pg_catalog, ql3
+AS $$
+    WITH done AS (
+        UPDATE ql3.contract_outbox AS o
+        SET delivered_at = now(), relay_attempts = o.relay_attempts + 1, last_error = NULL
+        WHERE o.seq = ANY(p_seqs) AND o.delivered_at IS NULL
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM done;
+$$;
+
+COMMENT ON FUNCTION ql3.mark_outbox_delivered(bigint []) IS
+'Marks rows delivered (already delivered rows are left alone); returns how many changed.';
+
+CREATE FUNCTION ql3.mark_outbox_failed(p_seqs bigint [], p_error text) RETURNS integer
+LANGUAGE sql
+SET search_path = pg_catalog, ql3
+AS $$
+    WITH failed AS (
+        UPDATE ql3.contract_outbox AS o
+        SET relay_attempts = o.relay_attempts + 1, last_error = left(coalesce(p_error, 'unknown error'), 2000)
+        WHERE o.seq = ANY(p_seqs) AND o.delivered_at IS NULL
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM failed;
+$$;
+
+COMMENT ON FUNCTION ql3.mark_outbox_failed(bigint [], text) IS
+'Records a failed delivery attempt; the rows stay undelivered and will be claimed again.';
+
+CREATE FUNCTION ql3.outbox_backlog()
+RETURNS TABLE (undelivered bigint, oldest_age_seconds double precision, max_seq bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+    SELECT
+        (SELECT count(*) FROM ql3.contract_outbox AS o WHERE o.delivered_at IS NULL),
+        (SELECT coalesce(extract(EPOCH FROM now() - min(o.created_at))::double precision, 0)
+         FROM ql3.contract_outbox AS o WHERE o.delivered_at IS NULL),
+        (SELECT coalesce(max(o.seq), 0) FROM ql3.contract_outbox AS o);
+$$;
+
+COMMENT ON FUNCTION ql3.outbox_backlog() IS
+'Undelivered outbox rows, the age in seconds of the oldest one (0 when none), and the highest seq.';
+
+-- Grants (SPEC section 5). SECURITY INVOKER everywhere: these grants are what permit the work.
+
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA ql3 FROM PUBLIC;  -- noqa: CP02
+
+GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
+ql3.active_revisions TO ql3_runtime;
+GRANT EXECUTE ON FUNCTION ql3.active_revision(text, text, text), ql3.active_pointers(jsonb),
+ql3._check_identifier(text, text), ql3._check_family(text)
+TO ql3_runtime;
+
+GRANT SELECT ON ql3.contract_outbox TO ql3_relay;
+GRANT UPDATE (delivered_at, relay_attempts, last_error) ON ql3.contract_outbox TO ql3_relay;
+GRANT EXECUTE ON FUNCTION ql3.claim_outbox(integer), ql3.mark_outbox_delivered(bigint []),
+ql3.mark_outbox_failed(bigint [], text), ql3.outbox_backlog() TO ql3_relay;
+
+GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
+ql3.active_revisions, ql3.contract_outbox TO ql3_operator;
+GRANT INSERT ON ql3.contract_revisions, ql3.revision_revocations, ql3.contract_outbox TO ql3_operator;
+GRANT INSERT, UPDATE ON ql3.active_revisions TO ql3_operator;
+GRANT EXECUTE ON FUNCTION ql3.put_revision(text, text, text, jsonb, text),
+ql3.activate_revision(text, text, text, uuid, text, uuid), ql3.revoke_revision(uuid, text, text),
+ql3.active_revision(text, text, text), ql3.active_pointers(jsonb), ql3.outbox_backlog(),
+ql3._check_identifier(text, text), ql3._check_family(text), ql3._lock_pointer(text, text, text, text),
+ql3._revision_of(uuid)
+TO ql3_operator;
+
+GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
+ql3.active_revisions, ql3.contract_outbox TO ql3_reader;
+GRANT EXECUTE ON FUNCTION ql3.active_revision(text, text, text), ql3.active_pointers(jsonb),
+ql3.outbox_backlog() TO ql3_reader;

@@ -1,0 +1,164 @@
+"""PgStore's contract methods against a real, fully migrated PostgreSQL database."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from fix_servers import role_dsn
+from ql3 import canonical, errors
+from ql3.store import PgStore
+
+FAMILY = "policy_routing"
+
+
+@pytest.fixture
+def store(db_dsn: str) -> Iterator[PgStore]:
+    with PgStore(role_dsn(db_dsn, "operator")) as s:
+        yield s
+
+
+def _count(dsn: str, table: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(f"SELECT count(*) FROM ql3.{table}").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def test_put_revision_numbers_revisions_and_hashes_the_canonical_body(store: PgStore) -> None:
+    first = store.put_revision("p1", FAMILY, "sre", {"temperature": 0.2, "routes": ["a"]}, "alice")
+    second = store.put_revision("p1", FAMILY, "sre", {"temperature": 0.3}, "alice")
+    assert (first["revision_no"], second["revision_no"]) == (1, 2)
+    expected = canonical.digest("ql3/contract-body@v1", {"routes": ["a"], "temperature": 0.2})
+    assert first["body_hash"] == expected
+
+
+def test_put_revision_with_the_same_body_returns_the_existing_revision(
+    store: PgStore, db_dsn: str
+) -> None:
+    first = store.put_revision("p1", FAMILY, "sre", {"b": 1, "a": 2}, "alice")
+    again = store.put_revision("p1", FAMILY, "sre", {"a": 2, "b": 1}, "bob")
+    assert again["revision_id"] == first["revision_id"]
+    assert _count(db_dsn, "contract_revisions") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("p1", "no_such_family", "c", {}), errors.InvalidArgument),
+        (("p1", FAMILY, "c", [1, 2]), errors.InvalidArgument),
+        (("p1", FAMILY, "c", {"n": 2**53}), errors.InvalidArgument),
+        (("p" * 129, FAMILY, "c", {}), errors.IdentifierTooLong),
+        (("p1", FAMILY, "c" * 129, {}), errors.IdentifierTooLong),
+        (("p1", FAMILY, "c", {"x": "y" * 25000}), errors.RecordTooLarge),
+    ],
+    ids=["unknown-family", "non-object", "number-range", "long-project", "long-contract", "size"],
+)
+def test_put_revision_rejects_bad_input_and_writes_nothing(
+    store: PgStore, db_dsn: str, args: tuple[str, str, str, object], error: type[errors.Ql3Error]
+) -> None:
+    with pytest.raises(error) as caught:
+        store.put_revision(*args, "alice")
+    assert caught.value.code == error.code
+    assert _count(db_dsn, "contract_revisions") == 0
+    assert _count(db_dsn, "active_revisions") == 0
+
+
+def test_activation_moves_the_pointer_and_returns_the_outbox_event(store: PgStore) -> None:
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    r2 = store.put_revision("p1", FAMILY, "sre", {"v": 2}, "alice")
+    e1 = store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+    e2 = store.activate_revision("p1", FAMILY, "sre", r2["revision_id"], "alice")
+    assert e1 is not None and e2 is not None
+    assert (e1["event_type"], e1["old_revision_id"], e1["pointer_version"]) == (
+        "revision_activated", None, 1,
+    )  # fmt: skip
+    assert (e2["old_revision_id"], e2["new_revision_id"], e2["pointer_version"]) == (
+        r1["revision_id"], r2["revision_id"], 2,
+    )  # fmt: skip
+    active = store.active_revision("p1", FAMILY, "sre")
+    assert active is not None
+    assert (active["revision_id"], active["pointer_version"]) == (r2["revision_id"], 2)
+
+
+def test_activating_the_active_revision_again_writes_no_event(store: PgStore, db_dsn: str) -> None:
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    assert store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice") is not None
+    assert store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice") is None
+    assert _count(db_dsn, "contract_outbox") == 1
+
+
+def test_compare_and_set_mismatch_is_a_conflict_and_writes_nothing(
+    store: PgStore, db_dsn: str
+) -> None:
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    r2 = store.put_revision("p1", FAMILY, "sre", {"v": 2}, "alice")
+    store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+    with pytest.raises(errors.Conflict):
+        store.activate_revision("p1", FAMILY, "sre", r2["revision_id"], "alice", r2["revision_id"])
+    assert _count(db_dsn, "contract_outbox") == 1
+    ok = store.activate_revision("p1", FAMILY, "sre", r2["revision_id"], "alice", r1["revision_id"])
+    assert ok is not None and ok["pointer_version"] == 2
+
+
+def test_activating_a_revision_of_another_contract_is_refused(store: PgStore, db_dsn: str) -> None:
+    other = store.put_revision("p1", FAMILY, "other", {"v": 1}, "alice")
+    with pytest.raises(errors.InvalidArgument):
+        store.activate_revision("p1", FAMILY, "sre", other["revision_id"], "alice")
+    assert _count(db_dsn, "contract_outbox") == 0
+
+
+def test_unknown_revision_is_not_found(store: PgStore) -> None:
+    with pytest.raises(errors.NotFound):
+        store.activate_revision(
+            "p1", FAMILY, "sre", "00000000-0000-0000-0000-000000000000", "alice"
+        )
+
+
+def test_revoke_of_the_active_revision_fails_closed(store: PgStore, db_dsn: str) -> None:
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+    event = store.revoke_revision(r1["revision_id"], "alice", "bad routing")
+    assert event is not None
+    assert (event["event_type"], event["new_revision_id"], event["pointer_version"]) == (
+        "revision_revoked", r1["revision_id"], 2,
+    )  # fmt: skip
+    assert store.active_revision("p1", FAMILY, "sre") is None
+    with pytest.raises(errors.RevisionRevoked):
+        store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+    assert store.revoke_revision(r1["revision_id"], "alice", "again") is None
+    assert _count(db_dsn, "contract_outbox") == 2
+
+
+def test_active_pointers_answers_many_keys_in_order(store: PgStore) -> None:
+    r1 = store.put_revision("p1", FAMILY, "a", {"v": 1}, "alice")
+    store.activate_revision("p1", FAMILY, "a", r1["revision_id"], "alice")
+    rows = store.active_pointers([("p1", FAMILY, "missing"), ("p1", FAMILY, "a")])
+    assert [(r["contract_id"], r["revision_id"], r["pointer_version"]) for r in rows] == [
+        ("missing", None, 0),
+        ("a", r1["revision_id"], 1),
+    ]
+
+
+def test_runtime_role_reads_pointers_but_cannot_put_revisions(db_dsn: str) -> None:
+    with PgStore(role_dsn(db_dsn, "runtime")) as runtime:
+        assert runtime.active_pointers([("p1", FAMILY, "a")])[0]["revision_id"] is None
+        with pytest.raises(errors.PermissionDenied):
+            runtime.put_revision("p1", FAMILY, "a", {}, "mallory")
+
+
+def test_failed_activation_sends_no_notification(store: PgStore, db_dsn: str) -> None:
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    with psycopg.connect(db_dsn, autocommit=True) as listener:
+        listener.execute("LISTEN ql3_contract_outbox")
+        with pytest.raises(errors.Conflict):
+            store.activate_revision(
+                "p1", FAMILY, "sre", r1["revision_id"], "alice", r1["revision_id"]
+            )
+        assert list(listener.notifies(timeout=0.2)) == []
+        store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+        received = next(listener.notifies(timeout=5))
+    payload = canonical.parse_json(received.payload)
+    assert isinstance(payload, dict) and payload["project_id"] == "p1"

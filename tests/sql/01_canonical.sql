@@ -1,0 +1,195 @@
+-- Canonical JSON, digests and identities (SPEC section 2): every shared vector through
+-- ql3.parse_json, ql3.jcs, ql3.digest, ql3.mutation_id, ql3.event_id and ql3.dedupe_key,
+-- then the ql3 rules at their edges. pg_prove runs from the repository root, so the
+-- vectors are at ../shared/vectors unless QL3_VECTORS_DIR says otherwise.
+BEGIN;
+
+\set jcs_vectors `cat "${QL3_VECTORS_DIR:-../shared/vectors}/jcs.json"`
+\set digest_vectors `cat "${QL3_VECTORS_DIR:-../shared/vectors}/digest.json"`
+\set identity_vectors `cat "${QL3_VECTORS_DIR:-../shared/vectors}/identity.json"`
+
+CREATE TEMPORARY TABLE jcs_vectors ON COMMIT DROP AS
+SELECT
+    v.ord,
+    v.vec ->> 'name' AS name,
+    v.vec ->> 'input' AS input,
+    v.vec ->> 'canonical' AS canonical,
+    v.vec ->> 'sha256' AS sha256,
+    coalesce((v.vec ->> 'error')::boolean, FALSE) AS error
+FROM jsonb_array_elements(:'jcs_vectors'::jsonb) WITH ORDINALITY AS v (vec, ord);
+
+CREATE TEMPORARY TABLE digest_vectors ON COMMIT DROP AS
+SELECT
+    v.ord,
+    v.vec ->> 'domain' AS domain,
+    v.vec -> 'value' AS value,
+    v.vec ->> 'digest' AS digest
+FROM jsonb_array_elements(:'digest_vectors'::jsonb) WITH ORDINALITY AS v (vec, ord);
+
+CREATE TEMPORARY TABLE identity_vectors ON COMMIT DROP AS
+SELECT
+    v.ord,
+    p.phase_ord,
+    v.vec ->> 'invocation_id' AS invocation_id,
+    p.phase,
+    v.vec -> p.phase ->> 'mutation_id' AS mutation_id,
+    v.vec -> p.phase ->> 'event_id' AS event_id,
+    v.vec -> p.phase ->> 'dedupe_key' AS dedupe_key
+FROM jsonb_array_elements(:'identity_vectors'::jsonb) WITH ORDINALITY AS v (vec, ord)
+CROSS JOIN
+    unnest('{admission,completion,resolution}'::text []) WITH ORDINALITY AS p (phase, phase_ord);
+
+SELECT plan(
+    (SELECT (2 * count(*) FILTER (WHERE NOT j.error) + count(*) FILTER (WHERE j.error))::integer
+        FROM jcs_vectors AS j)
+    + (SELECT count(*)::integer FROM digest_vectors)
+    + (SELECT 3 * count(*)::integer FROM identity_vectors)
+    + 22
+);
+
+-- Shared vectors -------------------------------------------------------------------------
+
+SELECT is(ql3.jcs(ql3.parse_json(j.input)), j.canonical, 'jcs: ' || j.name)
+FROM jcs_vectors AS j
+WHERE NOT j.error
+ORDER BY j.ord;
+
+SELECT is(
+    encode(sha256(convert_to(ql3.jcs(ql3.parse_json(j.input)), 'UTF8')), 'hex'),
+    j.sha256,
+    'jcs sha256: ' || j.name
+)
+FROM jcs_vectors AS j
+WHERE NOT j.error
+ORDER BY j.ord;
+
+SELECT throws_ok(
+    format('SELECT ql3.jcs(ql3.parse_json(%L))', j.input), 'Q3V01', NULL, 'jcs: ' || j.name
+)
+FROM jcs_vectors AS j
+WHERE j.error
+ORDER BY j.ord;
+
+SELECT is(ql3.digest(d.domain, d.value), d.digest, 'digest vector ' || d.ord || ': ' || d.domain)
+FROM digest_vectors AS d
+ORDER BY d.ord;
+
+SELECT is(
+    ql3.mutation_id(i.invocation_id, i.phase), i.mutation_id,
+    format('mutation_id of vector %s, %s', i.ord, i.phase)
+)
+FROM identity_vectors AS i
+ORDER BY i.ord, i.phase_ord;
+
+SELECT is(
+    ql3.event_id(i.invocation_id, i.phase), i.event_id,
+    format('event_id of vector %s, %s', i.ord, i.phase)
+)
+FROM identity_vectors AS i
+ORDER BY i.ord, i.phase_ord;
+
+SELECT is(
+    ql3.dedupe_key(i.invocation_id, i.phase), i.dedupe_key,
+    format('dedupe_key of vector %s, %s', i.ord, i.phase)
+)
+FROM identity_vectors AS i
+ORDER BY i.ord, i.phase_ord;
+
+-- ql3.jcs on jsonb that did not come through ql3.parse_json ---------------------------------
+
+SELECT throws_ok(
+    $$SELECT ql3.jcs('{"a": [1e20]}'::jsonb)$$, 'Q3V01', NULL,
+    'jcs refuses a number over 2^53-1 in jsonb built without parse_json'
+);
+SELECT throws_ok(
+    $$SELECT ql3.jcs('9007199254740991.4'::jsonb)$$, 'Q3V01', NULL,
+    'jcs decides the safe range on the exact decimal, not on the rounded double'
+);
+SELECT throws_ok(
+    $$SELECT ql3.jcs('[1e-400]'::jsonb)$$, 'Q3V01', NULL,
+    'jcs refuses a nonzero number that a double would round to 0'
+);
+SELECT is(
+    ql3.jcs(jsonb_build_array(-0.0, 1.50, 1e15 + 0.5, 0.00001, 1.2e-5 * 10, 2.5e-7)),
+    '[0,1.5,1000000000000000.5,0.00001,0.00012,2.5e-7]',
+    'jcs prints numbers as ECMAScript does, from numerics of any scale'
+);
+SELECT is(ql3.jcs(NULL), NULL, 'jcs of SQL NULL is NULL');
+
+SET LOCAL extra_float_digits = 0;
+SELECT is(
+    ql3.jcs('[0.1, 3.141592653589793, 1.5e-7]'::jsonb), '[0.1,3.141592653589793,1.5e-7]',
+    'jcs pins extra_float_digits: shortest round-trip digits whatever the session says'
+);
+SELECT is(
+    ql3.digest('ql3/contract-body@v1', '{"temperature": 0.2, "routes": ["a", "b"]}'),
+    '3ebf3f04b951d9dff1c9671e7d4d248928e0015a56919e2a416da061535b06f8',
+    'digest pins extra_float_digits too'
+);
+RESET extra_float_digits;
+
+SELECT is(
+    ql3.jcs(('{"b": 1, "' || repeat('a', 200) || '": 2, "\u00e9": 3, "\ud83d\ude00": 4, "\uffff": 5}')::jsonb),
+    '{"' || repeat('a', 200) || '":2,"b":1,"é":3,"😀":4,"' || chr(65535) || '":5}',
+    'jcs sorts keys by UTF-16 code units, not by jsonb''s length-first order'
+);
+SELECT lives_ok(
+    format('SELECT ql3.jcs(%L::jsonb)', repeat('[', 64) || repeat(']', 64)),
+    'jcs accepts 64 nested containers'
+);
+SELECT throws_ok(
+    format('SELECT ql3.jcs(%L::jsonb)', repeat('[', 65) || repeat(']', 65)), 'Q3V01', NULL,
+    'jcs refuses 65 nested containers'
+);
+
+-- ql3.parse_json ---------------------------------------------------------------------------
+
+SELECT is(
+    ql3.parse_json(' {"b": [1.0, "x"], "a": null} '), '{"a": null, "b": [1.0, "x"]}'::jsonb,
+    'parse_json returns the jsonb of valid JSON text'
+);
+SELECT is(ql3.parse_json(NULL), NULL, 'parse_json of SQL NULL is NULL');
+SELECT throws_ok(
+    $$SELECT ql3.parse_json('{"a": ')$$, 'Q3V01', NULL, 'parse_json refuses truncated JSON'
+);
+SELECT throws_ok(
+    $$SELECT ql3.parse_json('[NaN]')$$, 'Q3V01', NULL, 'parse_json refuses NaN'
+);
+SELECT throws_ok(
+    $$SELECT ql3.parse_json('1e-400')$$, 'Q3V01', NULL,
+    'parse_json refuses a nonzero number that a double would round to 0'
+);
+SELECT throws_ok(
+    $$SELECT ql3.parse_json('1e-16384')$$, 'Q3V01', NULL,
+    'parse_json maps numeric overflow (22003) to Q3V01'
+);
+SELECT throws_ok(
+    format('SELECT ql3.parse_json(%L)', repeat('[', 65) || repeat(']', 65)), 'Q3V01', NULL,
+    'parse_json refuses 65 nested containers'
+);
+
+-- Identities -------------------------------------------------------------------------------
+
+SELECT is(
+    length(ql3.mutation_id(repeat('r', 128), 'resolution')), 68,
+    'an identity is 68 characters even for a 128-character invocation_id'
+);
+SELECT throws_ok(
+    $$SELECT ql3.mutation_id(repeat('r', 129), 'admission')$$, 'Q3V03', NULL,
+    'mutation_id refuses an invocation_id over 128 characters'
+);
+SELECT throws_ok(
+    $$SELECT ql3.event_id('', 'admission')$$, 'Q3V01', NULL,
+    'event_id refuses an empty invocation_id'
+);
+SELECT throws_ok(
+    $$SELECT ql3.dedupe_key('inv-1', 'retry')$$, 'Q3V01', NULL,
+    'dedupe_key refuses a phase other than admission, completion, resolution'
+);
+SELECT throws_ok(
+    $$SELECT ql3.mutation_id(NULL, 'admission')$$, 'Q3V01', NULL,
+    'mutation_id refuses a NULL invocation_id'
+);
+
+SELECT * FROM finish();
+ROLLBACK;

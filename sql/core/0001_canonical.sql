@@ -173,7 +173,6 @@ DECLARE
     kind text := jsonb_typeof(node);
     child jsonb;
     res text;
-    i integer;
     n integer;
 BEGIN
     IF kind = 'object' OR kind = 'array' THEN

@@ -1,0 +1,1144 @@
+-- requires: core 0003
+-- Durable model invocations (SPEC section 4; seed ADR-0168, usage ledger ADR-0170).
+--
+-- An invocation is a receipt chain on a model step, never a second state machine:
+-- admission (ready -> running) writes the Start before any provider I/O, completion
+-- (running -> succeeded | failed | timed_out | lost) writes the Completion and, when the
+-- call reported usage, its usage_ledger row; only a human Resolution moves a lost step on.
+-- Each transition also bumps the step and run versions and appends one run event and one
+-- step mutation, all in one transaction. Receipts are immutable: old attempts are never
+-- overwritten, a retry is a new invocation chain on the same step.
+--
+-- Concurrency: every function locks the step row (FOR UPDATE on ql3.step_runs) before it
+-- looks for an existing receipt of its phase, which serialises everything that happens to
+-- one step; the run row is locked last, by the UPDATE that allocates the next event seq.
+-- No function locks receipt rows: ql3_runtime has no UPDATE on them and so cannot.
+--
+-- The internal helpers (prefix _) carry no SET clause: they run several times per call,
+-- call only pg_catalog built-ins and schema-qualified ql3 functions, and the public entry
+-- points pin search_path for the whole call tree.
+
+-- Constraint policy: the functions below are the writers and validate every field before
+-- they write, so the tables keep only the constraints that guard the invariants a direct
+-- INSERT by ql3_runtime could break (the receipt chain, outcome/result_code pairing),
+-- not format checks: each CHECK and FK costs every insert (measured: a first version with
+-- format CHECKs and an FK on every id spent about a quarter of an admit+complete pair there).
+
+CREATE TABLE ql3_ai.model_invocation_starts (
+    invocation_id text PRIMARY KEY,
+    request_id text NOT NULL,
+    project_id text NOT NULL,
+    run_id uuid NOT NULL,
+    step_run_id uuid NOT NULL REFERENCES ql3.step_runs (step_run_id),
+    trace_id text NOT NULL,
+    attempt integer NOT NULL,
+    provider text NOT NULL,
+    model text NOT NULL,
+    policy_contract_family text,
+    policy_contract_id text,
+    policy_revision_id uuid,
+    request_digest text NOT NULL,
+    deadline_at timestamptz NOT NULL,
+    input_bytes bigint NOT NULL,
+    command_digest text NOT NULL,
+    record jsonb NOT NULL,
+    start_digest text NOT NULL,
+    mutation_id text NOT NULL,
+    event_id text NOT NULL,
+    dedupe_key text NOT NULL,
+    admitted_at timestamptz NOT NULL
+);
+
+COMMENT ON TABLE ql3_ai.model_invocation_starts IS
+'Immutable Start receipts, written by admission before any provider I/O; record is the ql3/model-invocation-start@v1 JSON.';
+
+-- History, not identity: one step has as many starts as it has attempts.
+CREATE INDEX model_invocation_starts_history
+ON ql3_ai.model_invocation_starts (run_id, step_run_id, admitted_at, invocation_id);
+
+CREATE TABLE ql3_ai.model_invocation_completions (
+    invocation_id text PRIMARY KEY REFERENCES ql3_ai.model_invocation_starts (invocation_id),
+    start_digest text NOT NULL,
+    project_id text NOT NULL,
+    run_id uuid NOT NULL,
+    step_run_id uuid NOT NULL,
+    outcome text NOT NULL,
+    result_code text NOT NULL,
+    output_bytes bigint,
+    output_digest text,
+    input_tokens bigint,
+    output_tokens bigint,
+    cost_micros bigint,
+    currency text,
+    recovered boolean NOT NULL,
+    command_digest text NOT NULL,
+    record jsonb NOT NULL,
+    completion_digest text NOT NULL,
+    mutation_id text NOT NULL,
+    event_id text NOT NULL,
+    dedupe_key text NOT NULL,
+    completed_at timestamptz NOT NULL,
+    CHECK (
+        CASE outcome
+            WHEN 'lost' THEN result_code = 'outcome_unknown'
+            WHEN 'succeeded' THEN NOT recovered AND result_code <> 'outcome_unknown'
+            WHEN 'failed' THEN NOT recovered AND result_code <> 'outcome_unknown'
+            WHEN 'timed_out' THEN NOT recovered AND result_code <> 'outcome_unknown'
+            ELSE FALSE
+        END
+    )
+);
+
+COMMENT ON TABLE ql3_ai.model_invocation_completions IS
+'Immutable Completion receipts (one per start); lost always carries outcome_unknown; recovered = written by recover_expired.';
+
+CREATE INDEX model_invocation_completions_history
+ON ql3_ai.model_invocation_completions (run_id, step_run_id, completed_at, invocation_id);
+
+-- Lost outcomes wait for a human; this keeps "what is unresolved" cheap.
+CREATE INDEX model_invocation_completions_lost
+ON ql3_ai.model_invocation_completions (completed_at, invocation_id) WHERE outcome = 'lost';
+
+CREATE TABLE ql3_ai.model_invocation_resolutions (
+    invocation_id text PRIMARY KEY REFERENCES ql3_ai.model_invocation_completions (invocation_id),
+    completion_digest text NOT NULL,
+    run_id uuid NOT NULL,
+    step_run_id uuid NOT NULL,
+    decision text NOT NULL CHECK (decision IN ('retry', 'fail', 'cancel')),
+    user_id text NOT NULL,
+    reason text,
+    command_digest text NOT NULL,
+    record jsonb NOT NULL,
+    resolution_digest text NOT NULL,
+    mutation_id text NOT NULL,
+    event_id text NOT NULL,
+    dedupe_key text NOT NULL,
+    resolved_at timestamptz NOT NULL
+);
+
+COMMENT ON TABLE ql3_ai.model_invocation_resolutions IS
+'Immutable human Resolutions of lost/outcome_unknown completions: at most one per invocation.';
+
+CREATE TABLE ql3_ai.usage_ledger (
+    invocation_id text PRIMARY KEY REFERENCES ql3_ai.model_invocation_completions (invocation_id),
+    project_id text NOT NULL,
+    run_id uuid NOT NULL,
+    provider text NOT NULL,
+    model text NOT NULL,
+    input_tokens bigint,
+    output_tokens bigint,
+    cost_micros bigint,
+    currency text,
+    outcome text NOT NULL,
+    completion_digest text NOT NULL,
+    recorded_at timestamptz NOT NULL,
+    -- A row exists only for usage that exists; unknown cost stays NULL, never 0.
+    CHECK (coalesce(input_tokens, output_tokens, cost_micros) IS NOT NULL OR currency IS NOT NULL)
+);
+
+COMMENT ON TABLE ql3_ai.usage_ledger IS
+'Immutable projection of completions that report usage; cost_micros NULL means unknown, never a faked 0.';
+
+CREATE INDEX usage_ledger_project ON ql3_ai.usage_ledger (project_id, recorded_at);
+
+CREATE TRIGGER model_invocation_starts_immutable
+BEFORE UPDATE OR DELETE ON ql3_ai.model_invocation_starts
+FOR EACH ROW EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER model_invocation_starts_no_truncate
+BEFORE TRUNCATE ON ql3_ai.model_invocation_starts
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER model_invocation_completions_immutable
+BEFORE UPDATE OR DELETE ON ql3_ai.model_invocation_completions
+FOR EACH ROW EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER model_invocation_completions_no_truncate
+BEFORE TRUNCATE ON ql3_ai.model_invocation_completions
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER model_invocation_resolutions_immutable
+BEFORE UPDATE OR DELETE ON ql3_ai.model_invocation_resolutions
+FOR EACH ROW EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER model_invocation_resolutions_no_truncate
+BEFORE TRUNCATE ON ql3_ai.model_invocation_resolutions
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER usage_ledger_immutable
+BEFORE UPDATE OR DELETE ON ql3_ai.usage_ledger
+FOR EACH ROW EXECUTE FUNCTION ql3._reject_mutation();
+
+CREATE TRIGGER usage_ledger_no_truncate
+BEFORE TRUNCATE ON ql3_ai.usage_ledger
+FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
+
+-- Command validation helpers.
+
+-- kinds: string | integer (a JSON number >= 0 without fraction) | object | boolean,
+-- suffixed with ? when null is allowed. Every field is required, nullable ones included,
+-- so that one meaning has one canonical form and one command digest.
+CREATE FUNCTION ql3_ai._check_shape(
+    what text, command jsonb, schema_name text, fields text [], kinds text []
+) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    kind text;
+    got text;
+    num text;
+    problem text;
+BEGIN
+    IF jsonb_typeof(command) IS DISTINCT FROM 'object' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s must be a JSON object, not %s',
+                             what, coalesce(jsonb_typeof(command), 'NULL'));
+    END IF;
+    IF schema_name IS NOT NULL AND (command ->> 'schema') IS DISTINCT FROM schema_name THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s schema must be %L, not %s',
+                             what, schema_name, coalesce((command -> 'schema')::text, 'missing'));
+    END IF;
+    IF NOT (command ?& fields) THEN
+        SELECT string_agg(f.name, ', ' ORDER BY f.name) INTO problem
+        FROM unnest(fields) AS f (name) WHERE NOT command ? f.name;
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s lacks required field(s) %s', what, problem);
+    END IF;
+    IF (command - fields) <> '{}'::jsonb THEN
+        SELECT string_agg(k.key, ', ' ORDER BY k.key) INTO problem
+        FROM jsonb_object_keys(command - fields) AS k (key);
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s has unknown field(s) %s', what, problem);
+    END IF;
+    -- A loop of simple expressions: no executor start-up, unlike a query over unnest().
+    FOR i IN 1 .. cardinality(fields) LOOP
+        kind := kinds[i];
+        got := jsonb_typeof(command -> fields[i]);
+        IF got = 'number' THEN
+            num := command ->> fields[i];
+            CONTINUE WHEN kind LIKE 'integer%' AND left(num, 1) <> '-'
+                AND (strpos(num, '.') = 0 OR num::numeric = trunc(num::numeric));
+        ELSIF got = 'null' THEN
+            CONTINUE WHEN kind LIKE '%?';
+        ELSE
+            CONTINUE WHEN got = rtrim(kind, '?');
+        END IF;
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s field %s must be %s, not %s', what, fields[i],
+                             CASE WHEN kind LIKE '%?' THEN rtrim(kind, '?') || ' or null' ELSE kind END,
+                             left((command -> fields[i])::text, 64));
+    END LOOP;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._check_shape(text, jsonb, text, text [], text []) IS
+'Raises QL3_INVALID_ARGUMENT unless command is an object of exactly these fields with these JSON kinds.';
+
+-- Canonical size limit and digest in one JCS pass: the framing of ql3.digest applied to
+-- the ql3.jcs text that the size check needs anyway (the pgTAP suite proves they agree).
+CREATE FUNCTION ql3_ai._checked_digest(what text, domain text, value jsonb) RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    canonical text := ql3.jcs(value);
+BEGIN
+    IF octet_length(canonical) > 24576 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V02',
+            MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
+                             what, octet_length(canonical));
+    END IF;
+    RETURN encode(
+        sha256(convert_to(domain, 'UTF8') || '\x00'::bytea || convert_to(canonical, 'UTF8')), 'hex'
+    );
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._checked_digest(text, text, jsonb) IS
+'digest(domain, value) after refusing values over 24 KiB of canonical JSON (QL3_RECORD_TOO_LARGE).';
+
+-- Format checks below avoid regular expressions: PostgreSQL's regex engine costs about
+-- 10 microseconds per 64-character match, and every command carries several of these.
+CREATE FUNCTION ql3_ai._uuid(field text, value text) RETURNS uuid
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF length(value) <> 36 OR translate(value, '0123456789abcdef', '') <> '----'
+       OR substr(value, 9, 1) <> '-' OR substr(value, 14, 1) <> '-' OR substr(value, 19, 1) <> '-'
+       OR substr(value, 24, 1) <> '-' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s must be a lowercase hyphenated uuid, not %L',
+                             field, left(value, 64));
+    END IF;
+    RETURN value::uuid;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._uuid(text, text) IS 'value as uuid, if it is the canonical lowercase form.';
+
+CREATE FUNCTION ql3_ai._check_sha256(field text, value text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF length(value) <> 64 OR translate(value, '0123456789abcdef', '') <> '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s must be 64 lowercase hex digits, not %L',
+                             field, left(value, 80));
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._check_sha256(text, text) IS 'Raises unless value is a lowercase hex SHA-256.';
+
+-- Commands use the record timestamp format too, so that one instant has one spelling and
+-- a replay cannot differ from the original by formatting alone.
+CREATE FUNCTION ql3_ai._timestamp(field text, value text) RETURNS timestamptz
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    -- After the shape test every field below is digits only, so the integer casts are safe.
+    IF length(value) <> 27 OR translate(value, '0123456789', '') <> '--T::.Z'
+       OR substr(value, 5, 1) <> '-' OR substr(value, 8, 1) <> '-' OR substr(value, 11, 1) <> 'T'
+       OR substr(value, 14, 1) <> ':' OR substr(value, 17, 1) <> ':' OR substr(value, 20, 1) <> '.' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s must be RFC 3339 UTC with six fractional digits '
+                             '(2026-12-02T12:00:00.000000Z), not %L', field, left(value, 64));
+    END IF;
+    IF left(value, 4)::integer = 0
+       OR substr(value, 6, 2)::integer NOT BETWEEN 1 AND 12 OR substr(value, 9, 2)::integer NOT BETWEEN 1 AND 31
+       OR substr(value, 12, 2)::integer > 23 OR substr(value, 15, 2)::integer > 59
+       OR substr(value, 18, 2)::integer > 59
+       OR (substr(value, 9, 2)::integer > 28 AND substr(value, 9, 2)::integer > extract(DAY FROM
+           make_date(left(value, 4)::integer, substr(value, 6, 2)::integer, 1) + interval '1 month - 1 day')) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: %s must be RFC 3339 UTC with six fractional digits '
+                             '(2026-12-02T12:00:00.000000Z), not %L', field, left(value, 64));
+    END IF;
+    RETURN value::timestamptz;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._timestamp(text, text) IS
+'Parses YYYY-MM-DDTHH:MM:SS.ffffffZ (the only timestamp spelling ql3 records and commands use).';
+
+CREATE FUNCTION ql3_ai._utc(ts timestamptz) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT pg_catalog.to_char(ts AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+$$;
+
+COMMENT ON FUNCTION ql3_ai._utc(timestamptz) IS 'RFC 3339 UTC text with exactly six fractional digits.';
+
+-- mutation_id, event_id and dedupe_key of one phase (SPEC section 2): the three digests
+-- share one canonical text, so it is computed once instead of three times. The pgTAP
+-- suite holds the result equal to ql3.mutation_id, ql3.event_id and ql3.dedupe_key.
+CREATE FUNCTION ql3_ai._identities(invocation_id text, phase text) RETURNS text []
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    framed bytea := '\x00'::bytea || convert_to(ql3.jcs(jsonb_build_array(invocation_id, phase)), 'UTF8');
+BEGIN
+    RETURN ARRAY[
+        'mut_' || encode(sha256(convert_to('ql3/mutation-id@v1', 'UTF8') || framed), 'hex'),
+        'evt_' || encode(sha256(convert_to('ql3/run-event-id@v1', 'UTF8') || framed), 'hex'),
+        'ddp_' || encode(sha256(convert_to('ql3/dedupe-key@v1', 'UTF8') || framed), 'hex')
+    ];
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._identities(text, text) IS
+'ARRAY[mutation_id, event_id, dedupe_key] of an invocation phase, from one canonical text.';
+
+-- Re-verifies a stored receipt before an exact replay reports it as existing.
+CREATE FUNCTION ql3_ai._verify_receipt(what text, domain text, stored jsonb, stored_digest text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF ql3_ai._checked_digest(what, domain, stored) IS DISTINCT FROM stored_digest THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: stored %s no longer matches its digest %s', what, stored_digest);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._verify_receipt(text, text, jsonb, text) IS
+'Raises QL3_CONFLICT unless the stored record still hashes to its stored digest.';
+
+CREATE FUNCTION ql3_ai.admit_invocation(command jsonb) RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+<<admit_invocation>>
+DECLARE
+    command_digest text;
+    invocation_id text;
+    run_id uuid;
+    step_run_id uuid;
+    expected_version bigint;
+    input_bytes bigint;
+    deadline_at timestamptz;
+    policy jsonb := command -> 'policy';
+    policy_family text;
+    policy_contract text;
+    policy_revision uuid;
+    family_known boolean;
+    active_revision uuid;
+    step ql3.step_runs;
+    run ql3.runs;
+    prior ql3_ai.model_invocation_starts;
+    ids text [];
+    mutation_id text;
+    event_id text;
+    dedupe_key text;
+    receipt jsonb;
+    start_digest text;
+BEGIN
+    PERFORM ql3_ai._check_shape(
+        'admission command', command, 'ql3/model-invocation-admission@v1',
+        ARRAY['schema', 'invocation_id', 'request_id', 'project_id', 'run_id', 'step_run_id', 'trace_id',
+              'expected_step_run_version', 'provider', 'model', 'policy', 'request_digest', 'input_bytes',
+              'deadline_at'],
+        ARRAY['string', 'string', 'string', 'string', 'string', 'string', 'string',
+              'integer', 'string', 'string', 'object?', 'string', 'integer',
+              'string']);
+    IF jsonb_typeof(policy) = 'object' THEN
+        PERFORM ql3_ai._check_shape(
+            'admission command policy', policy, NULL,
+            ARRAY['contract_family', 'contract_id', 'revision_id'], ARRAY['string', 'string', 'string']);
+    END IF;
+    command_digest := ql3_ai._checked_digest('admission command', 'ql3/model-invocation-admission@v1', command);
+    invocation_id := ql3._check_identifier('invocation_id', command ->> 'invocation_id');
+    PERFORM ql3._check_identifier('request_id', command ->> 'request_id');
+    PERFORM ql3._check_identifier('project_id', command ->> 'project_id');
+    PERFORM ql3._check_identifier('trace_id', command ->> 'trace_id');
+    PERFORM ql3._check_identifier('provider', command ->> 'provider');
+    PERFORM ql3._check_identifier('model', command ->> 'model');
+    run_id := ql3_ai._uuid('run_id', command ->> 'run_id');
+    step_run_id := ql3_ai._uuid('step_run_id', command ->> 'step_run_id');
+    expected_version := (command ->> 'expected_step_run_version')::bigint;
+    IF expected_version < 1 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: expected_step_run_version must be >= 1';
+    END IF;
+    PERFORM ql3_ai._check_sha256('request_digest', command ->> 'request_digest');
+    input_bytes := (command ->> 'input_bytes')::bigint;
+    deadline_at := ql3_ai._timestamp('deadline_at', command ->> 'deadline_at');
+    IF policy <> 'null'::jsonb THEN
+        policy_family := ql3._check_identifier('policy.contract_family', policy ->> 'contract_family');
+        policy_contract := ql3._check_identifier('policy.contract_id', policy ->> 'contract_id');
+        policy_revision := ql3_ai._uuid('policy.revision_id', policy ->> 'revision_id');
+    END IF;
+
+    -- The step lock comes first: it orders this admission against every other
+    -- transition of the step, including a concurrent admission of the same command.
+    SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = admit_invocation.step_run_id FOR UPDATE;
+    IF NOT found OR step.run_id <> admit_invocation.run_id THEN
+        IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r WHERE r.run_id = admit_invocation.run_id) THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
+        END IF;
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3N01',
+            MESSAGE = format('QL3_NOT_FOUND: step run %s does not exist in run %s', step_run_id, run_id);
+    END IF;
+
+    SELECT * INTO prior FROM ql3_ai.model_invocation_starts AS st WHERE st.invocation_id = admit_invocation.invocation_id;
+    IF found THEN
+        IF prior.command_digest = admit_invocation.command_digest THEN
+            PERFORM ql3_ai._verify_receipt('start record', 'ql3/model-invocation-start@v1',
+                                           prior.record, prior.start_digest);
+            RETURN jsonb_build_object('status', 'existing', 'start', prior.record,
+                                      'start_digest', prior.start_digest);
+        END IF;
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: invocation %s was admitted with another command (digest %s)',
+                             invocation_id, prior.command_digest);
+    END IF;
+
+    IF step.kind <> 'model' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: step run %s is of kind %L, not model', step_run_id, step.kind);
+    END IF;
+    IF step.status <> 'ready' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: step run %s is %s, not ready', step_run_id, step.status);
+    END IF;
+    IF step.version <> expected_version THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: step run %s is at version %s, the command expects %s',
+                             step_run_id, step.version, expected_version);
+    END IF;
+
+    -- The policy fence: read in this transaction, after the step lock. An admission that
+    -- races an activation is ordered before it; one that starts after it sees it.
+    IF policy_revision IS NOT NULL THEN
+        SELECT true, a.active_revision_id INTO family_known, active_revision
+        FROM ql3.contract_families AS f
+        LEFT JOIN ql3.active_revisions AS a
+            ON a.project_id = command ->> 'project_id' AND a.contract_family = f.contract_family
+               AND a.contract_id = policy_contract
+        WHERE f.contract_family = policy_family;
+        IF family_known IS NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V01',
+                MESSAGE = format('QL3_INVALID_ARGUMENT: unknown contract family %L', policy_family);
+        END IF;
+        IF active_revision IS DISTINCT FROM policy_revision THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C02',
+                MESSAGE = format('QL3_STALE_REVISION: policy revision %s of %s/%s is not active (active: %s)',
+                                 policy_revision, policy_family, policy_contract,
+                                 coalesce(active_revision::text, 'none')),
+                DETAIL = coalesce(active_revision::text, '');
+        END IF;
+    END IF;
+
+    UPDATE ql3.runs AS r
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    WHERE r.run_id = admit_invocation.run_id
+    RETURNING * INTO run;
+    IF (run.project_id, run.trace_id) IS DISTINCT FROM (command ->> 'project_id', command ->> 'trace_id') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: run %s belongs to project %L and trace %L, not %L and %L',
+                             run_id, run.project_id, run.trace_id,
+                             command ->> 'project_id', command ->> 'trace_id');
+    END IF;
+
+    ids := ql3_ai._identities(invocation_id, 'admission');
+    mutation_id := ids[1];
+    event_id := ids[2];
+    dedupe_key := ids[3];
+    receipt := jsonb_build_object(
+        'schema', 'ql3/model-invocation-start@v1',
+        'invocation_id', invocation_id,
+        'request_id', command ->> 'request_id',
+        'project_id', command ->> 'project_id',
+        'run_id', command ->> 'run_id',
+        'step_run_id', command ->> 'step_run_id',
+        'trace_id', command ->> 'trace_id',
+        'attempt', step.attempt_count + 1,
+        'provider', command ->> 'provider',
+        'model', command ->> 'model',
+        'policy', policy,
+        'request_digest', command ->> 'request_digest',
+        'input_bytes', input_bytes,
+        'deadline_at', command ->> 'deadline_at',
+        'command_digest', command_digest,
+        'step_run_version', step.version + 1,
+        'run_version', run.version,
+        'run_event_seq', run.event_seq,
+        'mutation_id', mutation_id,
+        'event_id', event_id,
+        'dedupe_key', dedupe_key,
+        'admitted_at', ql3_ai._utc(now())
+    );
+    start_digest := ql3_ai._checked_digest('start record', 'ql3/model-invocation-start@v1', receipt);
+
+    INSERT INTO ql3_ai.model_invocation_starts (
+        invocation_id, request_id, project_id, run_id, step_run_id, trace_id, attempt, provider, model,
+        policy_contract_family, policy_contract_id, policy_revision_id, request_digest, deadline_at,
+        input_bytes, command_digest, record, start_digest, mutation_id, event_id, dedupe_key, admitted_at
+    ) VALUES (
+        invocation_id, command ->> 'request_id', command ->> 'project_id', run_id, step_run_id,
+        command ->> 'trace_id', step.attempt_count + 1, command ->> 'provider', command ->> 'model',
+        policy_family, policy_contract, policy_revision, command ->> 'request_digest', deadline_at,
+        input_bytes, command_digest, receipt, start_digest, mutation_id, event_id, dedupe_key, now()
+    )
+    ON CONFLICT ON CONSTRAINT model_invocation_starts_pkey DO NOTHING;
+    IF NOT found THEN
+        -- Only a concurrent admission of the same invocation_id on another step gets here
+        -- (one step's admissions are serialised by its lock): same id, other content.
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: invocation %s was admitted concurrently with another command',
+                             invocation_id);
+    END IF;
+    UPDATE ql3.step_runs AS s
+    SET status = 'running', version = s.version + 1, attempt_count = s.attempt_count + 1,
+        current_invocation_id = admit_invocation.invocation_id, updated_at = now()
+    WHERE s.step_run_id = admit_invocation.step_run_id;
+    INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
+    VALUES (run_id, run.event_seq, event_id, 'model_invocation_admitted', step_run_id,
+            jsonb_build_object('invocation_id', invocation_id, 'attempt', step.attempt_count + 1,
+                               'from_status', 'ready', 'to_status', 'running',
+                               'step_run_version', step.version + 1, 'start_digest', start_digest));
+    INSERT INTO ql3.step_run_mutations (
+        mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version, command_digest
+    ) VALUES (
+        mutation_id, dedupe_key, step_run_id, 'ready', 'running', step.version, step.version + 1, command_digest
+    );
+    RETURN jsonb_build_object('status', 'created', 'start', receipt, 'start_digest', start_digest);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai.admit_invocation(jsonb) IS
+'Admission: fences a ready model step to running and writes the Start receipt; only "created" may lead to provider I/O.';
+
+-- The writes of a completion, shared by complete_invocation and recover_expired. The
+-- caller holds the step lock and has checked that the step is running this invocation.
+CREATE FUNCTION ql3_ai._write_completion(
+    start ql3_ai.model_invocation_starts, step_version bigint, command jsonb, command_digest text,
+    recovered boolean
+) RETURNS jsonb
+LANGUAGE plpgsql
+AS $$
+<<_write_completion>>
+DECLARE
+    invocation_id text := start.invocation_id;
+    outcome text := command ->> 'outcome';
+    result_code text := command ->> 'result_code';
+    usage jsonb := command -> 'usage';
+    input_tokens bigint := (usage ->> 'input_tokens')::bigint;
+    output_tokens bigint := (usage ->> 'output_tokens')::bigint;
+    cost_micros bigint := (usage ->> 'cost_micros')::bigint;
+    currency text := usage ->> 'currency';
+    output_ref text;
+    run ql3.runs;
+    ids text [] := ql3_ai._identities(invocation_id, 'completion');
+    mutation_id text := ids[1];
+    event_id text := ids[2];
+    dedupe_key text := ids[3];
+    receipt jsonb;
+    completion_digest text;
+BEGIN
+    IF outcome = 'succeeded' THEN
+        output_ref := 'model-invocation:' || invocation_id;
+    END IF;
+    IF usage <> 'null'::jsonb THEN
+        usage := jsonb_build_object('input_tokens', input_tokens, 'output_tokens', output_tokens,
+                                    'cost_micros', cost_micros, 'currency', currency);
+    END IF;
+    UPDATE ql3.runs AS r
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    WHERE r.run_id = start.run_id
+    RETURNING * INTO run;
+    receipt := jsonb_build_object(
+        'schema', 'ql3/model-invocation-completion@v1',
+        'invocation_id', invocation_id,
+        'start_digest', start.start_digest,
+        'project_id', start.project_id,
+        'run_id', start.run_id,
+        'step_run_id', start.step_run_id,
+        'trace_id', start.trace_id,
+        'attempt', start.attempt,
+        'provider', start.provider,
+        'model', start.model,
+        'outcome', outcome,
+        'result_code', result_code,
+        'output_bytes', (command ->> 'output_bytes')::bigint,
+        'output_digest', command ->> 'output_digest',
+        'usage', usage,
+        'recovered', recovered,
+        'output_ref', output_ref,
+        'command_digest', command_digest,
+        'step_run_version', step_version + 1,
+        'run_version', run.version,
+        'run_event_seq', run.event_seq,
+        'mutation_id', mutation_id,
+        'event_id', event_id,
+        'dedupe_key', dedupe_key,
+        'completed_at', ql3_ai._utc(now())
+    );
+    completion_digest := ql3_ai._checked_digest(
+        'completion record', 'ql3/model-invocation-completion@v1', receipt);
+
+    INSERT INTO ql3_ai.model_invocation_completions (
+        invocation_id, start_digest, project_id, run_id, step_run_id, outcome, result_code, output_bytes,
+        output_digest, input_tokens, output_tokens, cost_micros, currency, recovered, command_digest, record,
+        completion_digest, mutation_id, event_id, dedupe_key, completed_at
+    ) VALUES (
+        invocation_id, start.start_digest, start.project_id, start.run_id, start.step_run_id, outcome,
+        result_code, (command ->> 'output_bytes')::bigint, command ->> 'output_digest', input_tokens,
+        output_tokens, cost_micros, currency, recovered, command_digest, receipt, completion_digest,
+        mutation_id, event_id, dedupe_key, now()
+    );
+    IF coalesce(input_tokens, output_tokens, cost_micros) IS NOT NULL OR currency IS NOT NULL THEN
+        INSERT INTO ql3_ai.usage_ledger (
+            invocation_id, project_id, run_id, provider, model, input_tokens, output_tokens, cost_micros,
+            currency, outcome, completion_digest, recorded_at
+        ) VALUES (
+            invocation_id, start.project_id, start.run_id, start.provider, start.model, input_tokens,
+            output_tokens, cost_micros, currency, outcome, completion_digest, now()
+        );
+    END IF;
+    UPDATE ql3.step_runs AS s
+    SET status = _write_completion.outcome, version = s.version + 1, output_ref = _write_completion.output_ref,
+        result_code = _write_completion.result_code, updated_at = now()
+    WHERE s.step_run_id = start.step_run_id;
+    INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
+    VALUES (start.run_id, run.event_seq, event_id, 'model_invocation_completed', start.step_run_id,
+            jsonb_build_object('invocation_id', invocation_id, 'outcome', outcome, 'result_code', result_code,
+                               'recovered', recovered, 'from_status', 'running', 'to_status', outcome,
+                               'step_run_version', step_version + 1, 'completion_digest', completion_digest));
+    INSERT INTO ql3.step_run_mutations (
+        mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version, command_digest
+    ) VALUES (
+        mutation_id, dedupe_key, start.step_run_id, 'running', outcome, step_version, step_version + 1,
+        command_digest
+    );
+    RETURN jsonb_build_object('status', 'created', 'completion', receipt, 'completion_digest', completion_digest);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._write_completion(ql3_ai.model_invocation_starts, bigint, jsonb, text, boolean) IS
+'Writes a Completion, its usage_ledger row when usage is reported, and the step/run transition.';
+
+CREATE FUNCTION ql3_ai.complete_invocation(command jsonb) RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+<<complete_invocation>>
+DECLARE
+    command_digest text;
+    invocation_id text;
+    outcome text := command ->> 'outcome';
+    result_code text := command ->> 'result_code';
+    usage jsonb := command -> 'usage';
+    start ql3_ai.model_invocation_starts;
+    step ql3.step_runs;
+    prior ql3_ai.model_invocation_completions;
+    ledger ql3_ai.usage_ledger;
+BEGIN
+    PERFORM ql3_ai._check_shape(
+        'completion command', command, 'ql3/model-invocation-completion-command@v1',
+        ARRAY['schema', 'invocation_id', 'start_digest', 'outcome', 'result_code', 'output_bytes',
+              'output_digest', 'usage'],
+        ARRAY['string', 'string', 'string', 'string', 'string', 'integer?', 'string?', 'object?']);
+    IF jsonb_typeof(usage) = 'object' THEN
+        PERFORM ql3_ai._check_shape(
+            'completion command usage', usage, NULL,
+            ARRAY['input_tokens', 'output_tokens', 'cost_micros', 'currency'],
+            ARRAY['integer?', 'integer?', 'integer?', 'string?']);
+    END IF;
+    command_digest := ql3_ai._checked_digest(
+        'completion command', 'ql3/model-invocation-completion-command@v1', command);
+    invocation_id := ql3._check_identifier('invocation_id', command ->> 'invocation_id');
+    PERFORM ql3_ai._check_sha256('start_digest', command ->> 'start_digest');
+    IF outcome NOT IN ('succeeded', 'failed', 'timed_out', 'lost') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: outcome must be succeeded, failed, timed_out or lost, not %L',
+                             left(outcome, 64));
+    END IF;
+    PERFORM ql3._check_identifier('result_code', result_code);
+    IF translate(result_code, 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-', '') <> ''
+       OR translate(left(result_code, 1), 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz', '') <> '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: result_code must match [A-Za-z][A-Za-z0-9_.:-]*, not %L',
+                             result_code);
+    END IF;
+    IF (outcome = 'lost') <> (result_code = 'outcome_unknown') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: outcome %s with result_code %s (lost goes with outcome_unknown, '
+                             'and only lost)', outcome, result_code);
+    END IF;
+    IF result_code IN ('model_outcome_rejected', 'model_outcome_cancelled') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: result_code %s is reserved for resolutions', result_code);
+    END IF;
+    IF command ->> 'output_digest' IS NOT NULL THEN
+        PERFORM ql3_ai._check_sha256('output_digest', command ->> 'output_digest');
+    END IF;
+    IF usage <> 'null'::jsonb THEN
+        IF length(usage ->> 'currency') <> 3 OR translate(usage ->> 'currency', 'ABCDEFGHIJKLMNOPQRSTUVWXYZ', '') <> '' THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V01',
+                MESSAGE = format('QL3_INVALID_ARGUMENT: usage.currency must be an ISO 4217 code, not %L',
+                                 left(usage ->> 'currency', 64));
+        END IF;
+        IF usage ->> 'cost_micros' IS NOT NULL AND usage ->> 'currency' IS NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: usage.cost_micros needs usage.currency';
+        END IF;
+    END IF;
+
+    SELECT * INTO start FROM ql3_ai.model_invocation_starts AS st
+    WHERE st.invocation_id = complete_invocation.invocation_id;
+    IF NOT found THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3N01',
+            MESSAGE = format('QL3_NOT_FOUND: invocation %s was never admitted', invocation_id);
+    END IF;
+    SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = start.step_run_id FOR UPDATE;
+
+    SELECT * INTO prior FROM ql3_ai.model_invocation_completions AS c
+    WHERE c.invocation_id = complete_invocation.invocation_id;
+    IF found THEN
+        IF prior.command_digest <> complete_invocation.command_digest THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C01',
+                MESSAGE = format('QL3_CONFLICT: invocation %s was completed with another command '
+                                 '(outcome %s, result_code %s)', invocation_id, prior.outcome, prior.result_code);
+        END IF;
+        PERFORM ql3_ai._verify_receipt('completion record', 'ql3/model-invocation-completion@v1',
+                                       prior.record, prior.completion_digest);
+        SELECT * INTO ledger FROM ql3_ai.usage_ledger AS u WHERE u.invocation_id = complete_invocation.invocation_id;
+        IF found IS DISTINCT FROM (coalesce(prior.input_tokens, prior.output_tokens, prior.cost_micros) IS NOT NULL
+                                   OR prior.currency IS NOT NULL)
+           OR (found AND (ledger.input_tokens, ledger.output_tokens, ledger.cost_micros, ledger.currency,
+                          ledger.outcome, ledger.completion_digest, ledger.project_id, ledger.run_id)
+                         IS DISTINCT FROM
+                         (prior.input_tokens, prior.output_tokens, prior.cost_micros, prior.currency,
+                          prior.outcome, prior.completion_digest, prior.project_id, prior.run_id)) THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C01',
+                MESSAGE = format('QL3_CONFLICT: the usage_ledger row of invocation %s does not match its completion',
+                                 invocation_id);
+        END IF;
+        RETURN jsonb_build_object('status', 'existing', 'completion', prior.record,
+                                  'completion_digest', prior.completion_digest);
+    END IF;
+
+    IF start.start_digest <> command ->> 'start_digest' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: start_digest of invocation %s is %s, not %s',
+                             invocation_id, start.start_digest, command ->> 'start_digest');
+    END IF;
+    IF step.status <> 'running' OR step.current_invocation_id IS DISTINCT FROM invocation_id THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3S01',
+            MESSAGE = format('QL3_ILLEGAL_TRANSITION: step run %s is %s with invocation %s, not running %s',
+                             step.step_run_id, step.status, coalesce(step.current_invocation_id, 'none'),
+                             invocation_id);
+    END IF;
+    RETURN ql3_ai._write_completion(start, step.version, command, command_digest, false);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai.complete_invocation(jsonb) IS
+'Completion: writes the Completion receipt (and usage_ledger row) and moves the running step to its outcome.';
+
+CREATE FUNCTION ql3_ai.resolve_invocation(command jsonb) RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+<<resolve_invocation>>
+DECLARE
+    command_digest text;
+    invocation_id text;
+    decision text := command ->> 'decision';
+    expected_version bigint;
+    new_status text;
+    new_result_code text;
+    start ql3_ai.model_invocation_starts;
+    step ql3.step_runs;
+    completion ql3_ai.model_invocation_completions;
+    prior ql3_ai.model_invocation_resolutions;
+    run ql3.runs;
+    ids text [];
+    mutation_id text;
+    event_id text;
+    dedupe_key text;
+    receipt jsonb;
+    resolution_digest text;
+BEGIN
+    PERFORM ql3_ai._check_shape(
+        'resolution command', command, 'ql3/model-invocation-resolution-command@v1',
+        ARRAY['schema', 'invocation_id', 'completion_digest', 'decision', 'user_id', 'expected_step_run_version',
+              'reason'],
+        ARRAY['string', 'string', 'string', 'string', 'string', 'integer', 'string?']);
+    command_digest := ql3_ai._checked_digest(
+        'resolution command', 'ql3/model-invocation-resolution-command@v1', command);
+    invocation_id := ql3._check_identifier('invocation_id', command ->> 'invocation_id');
+    PERFORM ql3._check_identifier('user_id', command ->> 'user_id');
+    PERFORM ql3_ai._check_sha256('completion_digest', command ->> 'completion_digest');
+    CASE decision
+        WHEN 'retry' THEN new_status := 'ready';
+        WHEN 'fail' THEN new_status := 'failed'; new_result_code := 'model_outcome_rejected';
+        WHEN 'cancel' THEN new_status := 'cancelled'; new_result_code := 'model_outcome_cancelled';
+        ELSE
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V01',
+                MESSAGE = format('QL3_INVALID_ARGUMENT: decision must be retry, fail or cancel, not %L',
+                                 left(decision, 64));
+    END CASE;
+    expected_version := (command ->> 'expected_step_run_version')::bigint;
+    IF expected_version < 1 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: expected_step_run_version must be >= 1';
+    END IF;
+    IF command ->> 'reason' = '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: reason must be null or non-empty';
+    END IF;
+
+    SELECT * INTO start FROM ql3_ai.model_invocation_starts AS st
+    WHERE st.invocation_id = resolve_invocation.invocation_id;
+    IF NOT found THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3N01',
+            MESSAGE = format('QL3_NOT_FOUND: invocation %s was never admitted', invocation_id);
+    END IF;
+    SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = start.step_run_id FOR UPDATE;
+
+    SELECT * INTO prior FROM ql3_ai.model_invocation_resolutions AS v
+    WHERE v.invocation_id = resolve_invocation.invocation_id;
+    IF found THEN
+        IF prior.command_digest <> resolve_invocation.command_digest THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C01',
+                MESSAGE = format('QL3_CONFLICT: invocation %s was already resolved (%s by %s)',
+                                 invocation_id, prior.decision, prior.user_id);
+        END IF;
+        PERFORM ql3_ai._verify_receipt('resolution record', 'ql3/model-invocation-resolution@v1',
+                                       prior.record, prior.resolution_digest);
+        RETURN jsonb_build_object('status', 'existing', 'resolution', prior.record,
+                                  'resolution_digest', prior.resolution_digest);
+    END IF;
+
+    SELECT * INTO completion FROM ql3_ai.model_invocation_completions AS c
+    WHERE c.invocation_id = resolve_invocation.invocation_id;
+    IF NOT found OR completion.outcome <> 'lost' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3S01',
+            MESSAGE = format('QL3_ILLEGAL_TRANSITION: invocation %s is %s, only lost/outcome_unknown is resolved',
+                             invocation_id, coalesce(completion.outcome, 'not completed'));
+    END IF;
+    IF completion.completion_digest <> command ->> 'completion_digest' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: completion_digest of invocation %s is %s, not %s',
+                             invocation_id, completion.completion_digest, command ->> 'completion_digest');
+    END IF;
+    IF step.status <> 'lost' OR step.current_invocation_id IS DISTINCT FROM invocation_id THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3S01',
+            MESSAGE = format('QL3_ILLEGAL_TRANSITION: step run %s is %s with invocation %s, not lost with %s',
+                             step.step_run_id, step.status, coalesce(step.current_invocation_id, 'none'),
+                             invocation_id);
+    END IF;
+    IF step.version <> expected_version THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: step run %s is at version %s, the command expects %s',
+                             step.step_run_id, step.version, expected_version);
+    END IF;
+
+    UPDATE ql3.runs AS r
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    WHERE r.run_id = start.run_id
+    RETURNING * INTO run;
+    ids := ql3_ai._identities(invocation_id, 'resolution');
+    mutation_id := ids[1];
+    event_id := ids[2];
+    dedupe_key := ids[3];
+    receipt := jsonb_build_object(
+        'schema', 'ql3/model-invocation-resolution@v1',
+        'invocation_id', invocation_id,
+        'completion_digest', completion.completion_digest,
+        'project_id', start.project_id,
+        'run_id', start.run_id,
+        'step_run_id', start.step_run_id,
+        'trace_id', start.trace_id,
+        'attempt', start.attempt,
+        'decision', decision,
+        'user_id', command ->> 'user_id',
+        'reason', command ->> 'reason',
+        'to_status', new_status,
+        'result_code', new_result_code,
+        'command_digest', command_digest,
+        'step_run_version', step.version + 1,
+        'run_version', run.version,
+        'run_event_seq', run.event_seq,
+        'mutation_id', mutation_id,
+        'event_id', event_id,
+        'dedupe_key', dedupe_key,
+        'resolved_at', ql3_ai._utc(now())
+    );
+    resolution_digest := ql3_ai._checked_digest(
+        'resolution record', 'ql3/model-invocation-resolution@v1', receipt);
+
+    INSERT INTO ql3_ai.model_invocation_resolutions (
+        invocation_id, completion_digest, run_id, step_run_id, decision, user_id, reason, command_digest,
+        record, resolution_digest, mutation_id, event_id, dedupe_key, resolved_at
+    ) VALUES (
+        invocation_id, completion.completion_digest, start.run_id, start.step_run_id, decision,
+        command ->> 'user_id', command ->> 'reason', command_digest, receipt, resolution_digest,
+        mutation_id, event_id, dedupe_key, now()
+    );
+    -- retry clears the old result (the next admission needs a new invocation_id, its
+    -- start raises attempt_count); fail and cancel keep the invocation that ended it.
+    UPDATE ql3.step_runs AS s
+    SET status = new_status, version = s.version + 1, output_ref = NULL, result_code = new_result_code,
+        current_invocation_id = CASE WHEN new_status = 'ready' THEN NULL ELSE s.current_invocation_id END,
+        updated_at = now()
+    WHERE s.step_run_id = start.step_run_id;
+    INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
+    VALUES (start.run_id, run.event_seq, event_id, 'model_invocation_resolved', start.step_run_id,
+            jsonb_build_object('invocation_id', invocation_id, 'decision', decision,
+                               'user_id', command ->> 'user_id', 'from_status', 'lost', 'to_status', new_status,
+                               'step_run_version', step.version + 1, 'resolution_digest', resolution_digest));
+    INSERT INTO ql3.step_run_mutations (
+        mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version, command_digest
+    ) VALUES (
+        mutation_id, dedupe_key, start.step_run_id, 'lost', new_status, step.version, step.version + 1,
+        command_digest
+    );
+    RETURN jsonb_build_object('status', 'created', 'resolution', receipt, 'resolution_digest', resolution_digest);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai.resolve_invocation(jsonb) IS
+'Human Resolution of a lost/outcome_unknown invocation: retry (lost -> ready), fail or cancel; one per invocation.';
+
+CREATE FUNCTION ql3_ai.recover_expired(p_limit integer, p_grace interval) RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    expired record;
+    start ql3_ai.model_invocation_starts;
+    command jsonb;
+    result jsonb;
+    recovered jsonb := '[]'::jsonb;
+BEGIN
+    IF p_limit IS NULL OR p_limit < 1 OR p_limit > 10000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: limit must be 1..10000';
+    END IF;
+    IF p_grace IS NULL OR p_grace < interval '0' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: grace must be a non-negative interval';
+    END IF;
+    -- An unfinished start is exactly the current invocation of a running step, so the
+    -- scan walks running steps (few) rather than the start history (unbounded). Steps
+    -- another transaction holds are skipped: their owner is completing them right now.
+    FOR expired IN
+        SELECT s.step_run_id, s.version, s.current_invocation_id
+        FROM ql3.step_runs AS s
+        INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
+        WHERE s.status = 'running'
+          AND st.deadline_at + p_grace < now()
+          AND NOT EXISTS (
+              SELECT 1 FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = st.invocation_id
+          )
+        ORDER BY st.deadline_at, st.invocation_id
+        LIMIT p_limit
+        FOR UPDATE OF s SKIP LOCKED
+    LOOP
+        SELECT * INTO start FROM ql3_ai.model_invocation_starts AS st
+        WHERE st.invocation_id = expired.current_invocation_id;
+        command := jsonb_build_object(
+            'schema', 'ql3/model-invocation-completion-command@v1',
+            'invocation_id', start.invocation_id,
+            'start_digest', start.start_digest,
+            'outcome', 'lost',
+            'result_code', 'outcome_unknown',
+            'output_bytes', NULL,
+            'output_digest', NULL,
+            'usage', NULL
+        );
+        result := ql3_ai._write_completion(
+            start, expired.version, command,
+            ql3_ai._checked_digest('completion command', 'ql3/model-invocation-completion-command@v1', command),
+            true);
+        recovered := recovered || jsonb_build_array(jsonb_build_object(
+            'invocation_id', start.invocation_id,
+            'run_id', start.run_id,
+            'step_run_id', start.step_run_id,
+            'deadline_at', ql3_ai._utc(start.deadline_at),
+            'completion_digest', result ->> 'completion_digest'
+        ));
+    END LOOP;
+    RETURN jsonb_build_object('count', jsonb_array_length(recovered), 'recovered', recovered);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai.recover_expired(integer, interval) IS
+'Settles up to p_limit starts past deadline_at + p_grace (database clock) as lost/outcome_unknown; never re-invokes.';
+
+CREATE FUNCTION ql3_ai.usage_summary(p_project_id text, p_from timestamptz, p_to timestamptz)
+RETURNS TABLE (
+    provider text,
+    model text,
+    currency text,
+    completions bigint,
+    input_tokens bigint,
+    output_tokens bigint,
+    known_cost_micros bigint,
+    known_cost_completions bigint,
+    unknown_cost_completions bigint
+)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    -- Checked inline: ql3_reader, which reads this summary, has no EXECUTE on ql3._check_identifier.
+    IF p_project_id IS NULL OR p_project_id = '' THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: project_id is required';
+    END IF;
+    IF char_length(p_project_id) > 128 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V03',
+            MESSAGE = format('QL3_IDENTIFIER_TOO_LONG: project_id has %s characters (at most 128)',
+                             char_length(p_project_id));
+    END IF;
+    IF p_from IS NOT NULL AND p_to IS NOT NULL AND p_from > p_to THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: from is after to';
+    END IF;
+    RETURN QUERY
+    SELECT u.provider, u.model, u.currency, count(*), sum(u.input_tokens)::bigint, sum(u.output_tokens)::bigint,
+           sum(u.cost_micros)::bigint, count(u.cost_micros), count(*) - count(u.cost_micros)
+    FROM ql3_ai.usage_ledger AS u
+    WHERE u.project_id = p_project_id
+      AND (p_from IS NULL OR u.recorded_at >= p_from)
+      AND (p_to IS NULL OR u.recorded_at < p_to)
+    GROUP BY u.provider, u.model, u.currency
+    ORDER BY u.provider, u.model, u.currency;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai.usage_summary(text, timestamptz, timestamptz) IS
+'Usage in [from, to) by provider, model and currency; unknown costs are counted apart, never summed as 0.';
+
+-- Grants (SPEC section 5). SECURITY INVOKER everywhere: these grants are what permit the
+-- work. The runtime admits and completes but cannot resolve or recover, and has no INSERT
+-- on resolutions either, so it cannot settle its own unknown outcomes by hand.
+
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA ql3_ai FROM PUBLIC;  -- noqa: CP02
+
+GRANT SELECT, INSERT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
+ql3_ai.usage_ledger TO ql3_runtime;
+GRANT SELECT ON ql3_ai.model_invocation_resolutions TO ql3_runtime;
+GRANT EXECUTE ON FUNCTION ql3_ai.admit_invocation(jsonb), ql3_ai.complete_invocation(jsonb),
+ql3_ai.usage_summary(text, timestamptz, timestamptz),
+ql3_ai._check_shape(text, jsonb, text, text [], text []), ql3_ai._checked_digest(text, text, jsonb),
+ql3_ai._uuid(text, text), ql3_ai._check_sha256(text, text), ql3_ai._timestamp(text, text),
+ql3_ai._utc(timestamptz), ql3_ai._verify_receipt(text, text, jsonb, text), ql3_ai._identities(text, text),
+ql3_ai._write_completion(ql3_ai.model_invocation_starts, bigint, jsonb, text, boolean)
+TO ql3_runtime;
+
+GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
+ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_operator;
+GRANT INSERT ON ql3_ai.model_invocation_completions, ql3_ai.model_invocation_resolutions TO ql3_operator;
+GRANT EXECUTE ON FUNCTION ql3_ai.resolve_invocation(jsonb), ql3_ai.recover_expired(integer, interval),
+ql3_ai.usage_summary(text, timestamptz, timestamptz),
+ql3_ai._check_shape(text, jsonb, text, text [], text []), ql3_ai._checked_digest(text, text, jsonb),
+ql3_ai._check_sha256(text, text), ql3_ai._utc(timestamptz), ql3_ai._verify_receipt(text, text, jsonb, text),
+ql3_ai._identities(text, text),
+ql3_ai._write_completion(ql3_ai.model_invocation_starts, bigint, jsonb, text, boolean)
+TO ql3_operator;
+
+GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
+ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_reader;
+GRANT EXECUTE ON FUNCTION ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_reader;

@@ -1,0 +1,433 @@
+-- Resolution (sql/ql3_ai/0001_invocations.sql): lost -> ready | failed | cancelled by a human,
+-- one per invocation; retry starts a new invocation chain and leaves the old receipts alone.
+BEGIN;
+-- Test helpers (rolled back with the file): command builders, a footprint of every table
+-- the invocation functions write, and a rejection check that also proves nothing was written.
+GRANT USAGE ON SCHEMA tests TO PUBLIC;  -- noqa: CP02
+
+CREATE FUNCTION tests.admission(
+    p_invocation_id text, p_run_id uuid, p_step_run_id uuid, p_version bigint,
+    p_policy jsonb DEFAULT NULL, p_deadline_at text DEFAULT '2999-01-01T00:00:00.000000Z',
+    p_project_id text DEFAULT 'proj', p_trace_id text DEFAULT 'trace-1'
+) RETURNS jsonb
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT jsonb_build_object(
+        'schema', 'ql3/model-invocation-admission@v1',
+        'invocation_id', p_invocation_id,
+        'request_id', 'req-' || left(p_invocation_id, 100),
+        'project_id', p_project_id,
+        'run_id', p_run_id,
+        'step_run_id', p_step_run_id,
+        'trace_id', p_trace_id,
+        'expected_step_run_version', p_version,
+        'provider', 'ollama',
+        'model', 'llama3.1:8b',
+        'policy', p_policy,
+        'request_digest', encode(sha256(convert_to('prompt of ' || p_invocation_id, 'UTF8')), 'hex'),
+        'input_bytes', 512,
+        'deadline_at', p_deadline_at
+    );
+$$;
+
+CREATE FUNCTION tests.usage(p_input bigint, p_output bigint, p_cost bigint, p_currency text) RETURNS jsonb
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT jsonb_build_object(
+        'input_tokens', p_input, 'output_tokens', p_output, 'cost_micros', p_cost, 'currency', p_currency
+    );
+$$;
+
+CREATE FUNCTION tests.completion(
+    p_invocation_id text, p_outcome text DEFAULT 'succeeded', p_result_code text DEFAULT 'ok',
+    p_usage jsonb DEFAULT NULL
+) RETURNS jsonb
+LANGUAGE sql STABLE
+AS $$
+    SELECT jsonb_build_object(
+        'schema', 'ql3/model-invocation-completion-command@v1',
+        'invocation_id', p_invocation_id,
+        'start_digest', coalesce(
+            (SELECT s.start_digest FROM ql3_ai.model_invocation_starts AS s WHERE s.invocation_id = p_invocation_id),
+            repeat('0', 64)
+        ),
+        'outcome', p_outcome,
+        'result_code', p_result_code,
+        'output_bytes', CASE WHEN p_outcome = 'succeeded' THEN 2048 END,
+        'output_digest', CASE WHEN p_outcome = 'succeeded' THEN repeat('c', 64) END,
+        'usage', p_usage
+    );
+$$;
+
+CREATE FUNCTION tests.resolution(
+    p_invocation_id text, p_decision text, p_user_id text DEFAULT 'alice', p_reason text DEFAULT NULL
+) RETURNS jsonb
+LANGUAGE sql STABLE
+AS $$
+    SELECT jsonb_build_object(
+        'schema', 'ql3/model-invocation-resolution-command@v1',
+        'invocation_id', p_invocation_id,
+        'completion_digest', coalesce(
+            (SELECT c.completion_digest FROM ql3_ai.model_invocation_completions AS c
+             WHERE c.invocation_id = p_invocation_id),
+            repeat('0', 64)
+        ),
+        'decision', p_decision,
+        'user_id', p_user_id,
+        'expected_step_run_version', coalesce(
+            (SELECT r.version FROM ql3.step_runs AS r
+             INNER JOIN ql3_ai.model_invocation_starts AS s ON s.step_run_id = r.step_run_id
+             WHERE s.invocation_id = p_invocation_id),
+            1
+        ),
+        'reason', p_reason
+    );
+$$;
+
+-- Every row count and version the invocation functions can change, as one text.
+CREATE FUNCTION tests.footprint() RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT format(
+        'runs=%s/%s/%s steps=%s/%s/%s starts=%s completions=%s resolutions=%s ledger=%s events=%s mutations=%s',
+        (SELECT count(*) FROM ql3.runs), (SELECT sum(version) FROM ql3.runs), (SELECT sum(event_seq) FROM ql3.runs),
+        (SELECT count(*) FROM ql3.step_runs), (SELECT sum(version) FROM ql3.step_runs),
+        (SELECT string_agg(status || attempt_count, ',' ORDER BY step_run_id) FROM ql3.step_runs),
+        (SELECT count(*) FROM ql3_ai.model_invocation_starts),
+        (SELECT count(*) FROM ql3_ai.model_invocation_completions),
+        (SELECT count(*) FROM ql3_ai.model_invocation_resolutions),
+        (SELECT count(*) FROM ql3_ai.usage_ledger),
+        (SELECT count(*) FROM ql3.run_events),
+        (SELECT count(*) FROM ql3.step_run_mutations)
+    );
+$$;
+
+-- Two tests: the call fails with p_errcode, and it left no trace.
+CREATE FUNCTION tests.rejects(p_sql text, p_errcode text, p_description text) RETURNS SETOF text
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    before text := tests.footprint();
+BEGIN
+    RETURN NEXT throws_ok(p_sql, p_errcode, NULL, p_description);
+    RETURN NEXT is(tests.footprint(), before, p_description || ': nothing written');
+END;
+$$;
+
+-- SQLSTATE and DETAIL of a failing statement, for errors whose DETAIL is part of the contract.
+CREATE FUNCTION tests.error_of(p_sql text) RETURNS text
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    state text;
+    detail text;
+BEGIN
+    EXECUTE p_sql;
+    RETURN 'no error';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE, detail = PG_EXCEPTION_DETAIL;
+    RETURN state || ' ' || detail;
+END;
+$$;
+
+SELECT plan(69);
+
+-- Fixture: run R1 with model steps S1..S9 admitted as inv-rN; then completions:
+-- r1, r2, r3, r8 and the vector invocation on S9 lost; r4 succeeded; r5 still running;
+-- r6 failed; r7 timed_out.
+SELECT ql3.create_run('proj', 'trace-1', 'aaaaaaaa-0000-0000-0000-000000000001');
+SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000001', 'model', ('bbbbbbbb-0000-0000-0000-00000000000' || g)::uuid)
+FROM generate_series(1, 9) AS g;
+
+SET ROLE ql3_runtime;
+SELECT ql3_ai.admit_invocation(tests.admission(
+    'inv-r' || g, 'aaaaaaaa-0000-0000-0000-000000000001', ('bbbbbbbb-0000-0000-0000-00000000000' || g)::uuid, 1
+))
+FROM generate_series(1, 8) AS g;
+SELECT ql3_ai.admit_invocation(tests.admission(
+    '7b0c6f7e-2d7e-4a53-9a55-0c8f3c1c2a11', 'aaaaaaaa-0000-0000-0000-000000000001',
+    'bbbbbbbb-0000-0000-0000-000000000009', 1
+));
+SELECT ql3_ai.complete_invocation(tests.completion(i, 'lost', 'outcome_unknown'))
+FROM unnest(ARRAY['inv-r1', 'inv-r2', 'inv-r3', 'inv-r8', '7b0c6f7e-2d7e-4a53-9a55-0c8f3c1c2a11']) AS i;
+SELECT ql3_ai.complete_invocation(tests.completion('inv-r4', 'succeeded', 'ok'));
+SELECT ql3_ai.complete_invocation(tests.completion('inv-r6', 'failed', 'provider_error'));
+SELECT ql3_ai.complete_invocation(tests.completion('inv-r7', 'timed_out', 'MODEL_DEADLINE_EXCEEDED'));
+
+-- The receipts of inv-r1 as they are before any resolution.
+CREATE TEMP TABLE old_receipts AS
+SELECT
+    s.record AS start_record,
+    s.start_digest,
+    c.record AS completion_record,
+    c.completion_digest
+FROM ql3_ai.model_invocation_starts AS s
+INNER JOIN ql3_ai.model_invocation_completions AS c ON s.invocation_id = c.invocation_id
+WHERE s.invocation_id = 'inv-r1';
+GRANT SELECT ON old_receipts TO PUBLIC;  -- noqa: CP02
+
+-- Resolutions are an operator's act.
+SET ROLE ql3_operator;
+
+CREATE TEMP TABLE cmd AS SELECT tests.resolution('inv-r1', 'retry', 'alice', 'provider says it never ran') AS c;
+GRANT SELECT ON cmd TO PUBLIC;  -- noqa: CP02
+CREATE TEMP TABLE r1 AS SELECT ql3_ai.resolve_invocation(c) AS r FROM cmd;
+GRANT SELECT ON r1 TO PUBLIC;  -- noqa: CP02
+
+SELECT is((SELECT r ->> 'status' FROM r1), 'created', 'resolving a lost invocation with retry is created');
+SELECT is(
+    (SELECT r ->> 'resolution_digest' FROM r1),
+    (SELECT ql3.digest('ql3/model-invocation-resolution@v1', r -> 'resolution') FROM r1),
+    'resolution_digest is the digest of the record under ql3/model-invocation-resolution@v1'
+);
+SELECT is(
+    (SELECT r -> 'resolution' ->> 'command_digest' FROM r1),
+    (SELECT ql3.digest('ql3/model-invocation-resolution-command@v1', c) FROM cmd),
+    'command_digest is the digest of the command under ql3/model-invocation-resolution-command@v1'
+);
+SELECT is(
+    (SELECT array_agg(k.key ORDER BY k.key) FROM r1, jsonb_object_keys(r1.r -> 'resolution') AS k (key)),
+    ARRAY[
+        'attempt', 'command_digest', 'completion_digest', 'decision', 'dedupe_key', 'event_id', 'invocation_id',
+        'mutation_id', 'project_id', 'reason', 'resolved_at', 'result_code', 'run_event_seq', 'run_id',
+        'run_version', 'schema', 'step_run_id', 'step_run_version', 'to_status', 'trace_id', 'user_id'
+    ],
+    'the resolution record has exactly the v1 fields'
+);
+SELECT results_eq(
+    $$SELECT r -> 'resolution' ->> 'decision', r -> 'resolution' ->> 'user_id', r -> 'resolution' ->> 'reason',
+             r -> 'resolution' ->> 'to_status', r -> 'resolution' ->> 'result_code',
+             (r -> 'resolution' ->> 'step_run_version')::bigint, r -> 'resolution' ->> 'completion_digest'
+      FROM r1$$,
+    $$SELECT 'retry', 'alice', 'provider says it never ran', 'ready', NULL::text, 4::bigint, completion_digest
+      FROM old_receipts$$,
+    'the resolution binds decision, user, reason, the new state and the completion it settles'
+);
+SELECT results_eq(
+    $$SELECT status, version, attempt_count, current_invocation_id, output_ref, result_code
+      FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
+    $$VALUES ('ready', 4::bigint, 1, NULL::text, NULL::text, NULL::text)$$,
+    'retry: lost -> ready with the old result fields cleared'
+);
+SELECT results_eq(
+    $$SELECT e.event_type, e.payload ->> 'decision', m.from_status, m.to_status, m.from_version, m.to_version,
+             m.dedupe_key, m.command_digest
+      FROM ql3.run_events AS e, ql3.step_run_mutations AS m
+      WHERE e.event_id = ql3.event_id('inv-r1', 'resolution') AND m.mutation_id = ql3.mutation_id('inv-r1', 'resolution')$$,
+    $$SELECT 'model_invocation_resolved', 'retry', 'lost', 'ready', 3::bigint, 4::bigint,
+             ql3.dedupe_key('inv-r1', 'resolution'), r -> 'resolution' ->> 'command_digest' FROM r1$$,
+    'the resolution appends its run event and step mutation with the derived identities'
+);
+SELECT results_eq(
+    $$SELECT v.completion_digest, v.decision, v.user_id, v.reason, v.record, v.resolution_digest, v.mutation_id
+      FROM ql3_ai.model_invocation_resolutions AS v WHERE v.invocation_id = 'inv-r1'$$,
+    $$SELECT r -> 'resolution' ->> 'completion_digest', 'retry', 'alice', 'provider says it never ran',
+             r -> 'resolution', r ->> 'resolution_digest', ql3.mutation_id('inv-r1', 'resolution')
+      FROM r1$$,
+    'the stored resolution row agrees with the returned record'
+);
+
+CREATE TEMP TABLE fp AS SELECT tests.footprint() AS v;
+SELECT is(
+    (SELECT ql3_ai.resolve_invocation(c) FROM cmd), (SELECT jsonb_set(r, '{status}', '"existing"') FROM r1),
+    'an exact replay is existing and returns the stored resolution'
+);
+SELECT is(tests.footprint(), (SELECT v FROM fp), 'an exact replay writes nothing');
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{decision}', '"fail"')) FROM cmd$$,
+    'Q3C01', 'a second resolution with another decision is QL3_CONFLICT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{user_id}', '"mallory"')) FROM cmd$$,
+    'Q3C01', 'a second resolution by another user is QL3_CONFLICT'
+);
+
+-- After retry: the old command replays as existing (no second provider call), the old
+-- invocation_id cannot start again, and a new invocation is attempt 2.
+
+SET ROLE ql3_runtime;
+CREATE TEMP TABLE fp2 AS SELECT tests.footprint() AS v;
+SELECT is(
+    ql3_ai.admit_invocation(tests.admission(
+        'inv-r1', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-000000000001', 1)) ->> 'status',
+    'existing', 'after retry the original admission command still replays as existing'
+);
+SELECT is(tests.footprint(), (SELECT v FROM fp2), 'that replay writes nothing');
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(tests.admission(
+        'inv-r1', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-000000000001', 4))$$,
+    'Q3C01', 'after retry the old invocation_id cannot be admitted again'
+);
+CREATE TEMP TABLE r1b AS
+SELECT ql3_ai.admit_invocation(tests.admission(
+    'inv-r1b', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-000000000001', 4
+)) AS r;
+SELECT is((SELECT r ->> 'status' FROM r1b), 'created', 'after retry a new invocation_id is admitted');
+SELECT is((SELECT (r -> 'start' ->> 'attempt')::integer FROM r1b), 2, 'the new start is attempt 2');
+SELECT results_eq(
+    $$SELECT status, version, attempt_count, current_invocation_id
+      FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
+    $$VALUES ('running', 5::bigint, 2, 'inv-r1b')$$,
+    'the step runs the new invocation with attempt_count 2'
+);
+SELECT is(
+    ql3_ai.complete_invocation(tests.completion('inv-r1b', 'succeeded', 'ok')) ->> 'status', 'created',
+    'the second attempt completes'
+);
+SELECT results_eq(
+    $$SELECT s.record, s.start_digest, c.record, c.completion_digest
+      FROM ql3_ai.model_invocation_starts AS s
+      INNER JOIN ql3_ai.model_invocation_completions AS c ON c.invocation_id = s.invocation_id
+      WHERE s.invocation_id = 'inv-r1'$$,
+    $$SELECT start_record, start_digest, completion_record, completion_digest FROM old_receipts$$,
+    'the first attempt''s start and lost completion are unchanged'
+);
+SELECT results_eq(
+    $$SELECT invocation_id, attempt FROM ql3_ai.model_invocation_starts
+      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001' ORDER BY attempt$$,
+    $$VALUES ('inv-r1', 1), ('inv-r1b', 2)$$,
+    'one step holds both attempts, each its own invocation chain'
+);
+SET ROLE ql3_operator;
+SELECT is(
+    (SELECT ql3_ai.resolve_invocation(c) ->> 'status' FROM cmd), 'existing',
+    'the old resolution still replays as existing after the step moved on'
+);
+
+-- fail and cancel
+
+SELECT is(
+    ql3_ai.resolve_invocation(tests.resolution('inv-r2', 'fail')) ->> 'status', 'created', 'fail is created'
+);
+SELECT results_eq(
+    $$SELECT status, version, current_invocation_id, output_ref, result_code
+      FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000002'$$,
+    $$VALUES ('failed', 4::bigint, 'inv-r2', NULL::text, 'model_outcome_rejected')$$,
+    'fail: lost -> failed with result_code model_outcome_rejected'
+);
+SELECT is(
+    ql3_ai.resolve_invocation(tests.resolution('inv-r3', 'cancel')) ->> 'status', 'created', 'cancel is created'
+);
+SELECT results_eq(
+    $$SELECT status, version, current_invocation_id, output_ref, result_code
+      FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000003'$$,
+    $$VALUES ('cancelled', 4::bigint, 'inv-r3', NULL::text, 'model_outcome_cancelled')$$,
+    'cancel: lost -> cancelled with result_code model_outcome_cancelled'
+);
+SET ROLE ql3_runtime;
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(tests.admission(
+        'inv-r2b', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-000000000002', 4))$$,
+    'Q3C01', 'a step failed by resolution cannot be admitted again'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(tests.admission(
+        'inv-r3b', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-000000000003', 4))$$,
+    'Q3C01', 'a cancelled step cannot be admitted again'
+);
+SET ROLE ql3_operator;
+
+-- Only lost/outcome_unknown is resolved.
+
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r4', 'retry'))$$,
+    'Q3S01', 'resolving a succeeded invocation is QL3_ILLEGAL_TRANSITION'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r5', 'cancel'))$$,
+    'Q3S01', 'resolving a running invocation (no completion) is QL3_ILLEGAL_TRANSITION'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r6', 'retry'))$$,
+    'Q3S01', 'resolving a failed invocation is QL3_ILLEGAL_TRANSITION'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r7', 'retry'))$$,
+    'Q3S01', 'resolving a timed_out invocation is QL3_ILLEGAL_TRANSITION'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-never', 'retry'))$$,
+    'Q3N01', 'resolving an invocation that was never admitted is QL3_NOT_FOUND'
+);
+
+-- Drift and the v1 resolution command schema, on lost invocation inv-r8 (step version 3).
+
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(tests.resolution('inv-r8', 'retry'), '{completion_digest}',
+        to_jsonb(repeat('0', 64))))$$,
+    'Q3C01', 'a completion_digest other than the completion''s is QL3_CONFLICT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(tests.resolution('inv-r8', 'retry'), '{expected_step_run_version}',
+        '2'))$$,
+    'Q3C01', 'a step version drift is QL3_CONFLICT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'approve'))$$,
+    'Q3V01', 'an unknown decision is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry', ''))$$,
+    'Q3V01', 'an empty user_id is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry', repeat('u', 129)))$$,
+    'Q3V03', 'a 129-character user_id is QL3_IDENTIFIER_TOO_LONG'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry', 'alice', ''))$$,
+    'Q3V01', 'an empty reason is QL3_INVALID_ARGUMENT (null or text)'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry', 'alice', repeat('why ', 7000)))$$,
+    'Q3V02', 'a command over 24 KiB of canonical JSON is QL3_RECORD_TOO_LARGE'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry') - 'reason')$$,
+    'Q3V01', 'a missing reason field is QL3_INVALID_ARGUMENT: null must be explicit'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry') || '{"force": true}')$$,
+    'Q3V01', 'an unknown field is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(tests.resolution('inv-r8', 'retry'), '{expected_step_run_version}',
+        '"3"'))$$,
+    'Q3V01', 'a string expected_step_run_version is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(tests.resolution('inv-r8', 'retry'), '{schema}',
+        '"ql3/model-invocation-resolution@v1"'))$$,
+    'Q3V01', 'the record schema name in place of the command schema name is QL3_INVALID_ARGUMENT'
+);
+
+-- Identities of the vector invocation across all three phases (shared/vectors/identity.json).
+
+SELECT is(
+    ql3_ai.resolve_invocation(tests.resolution('7b0c6f7e-2d7e-4a53-9a55-0c8f3c1c2a11', 'cancel')) ->> 'status',
+    'created', 'the vector invocation is resolved'
+);
+SELECT results_eq(
+    $$SELECT c.mutation_id, c.event_id, c.dedupe_key, v.mutation_id, v.event_id, v.dedupe_key
+      FROM ql3_ai.model_invocation_completions AS c
+      INNER JOIN ql3_ai.model_invocation_resolutions AS v ON v.invocation_id = c.invocation_id
+      WHERE c.invocation_id = '7b0c6f7e-2d7e-4a53-9a55-0c8f3c1c2a11'$$,
+    $$VALUES ('mut_6a42e8f98d499f1c62987a5d539805775c023274141663caa4e2219279c11362',
+              'evt_d6de3fbb7e80da18682d20a745a27f123c7f317235efd1f35a428bc6e36b277d',
+              'ddp_d1002227acf1ba22b23356ee7777fe2eb453fbc2aa604abd55d972d53a9c5b22',
+              'mut_a4f7bc4fe431a342b8c43627931796f4ba9282cdc452900b0f559a20e0c9e022',
+              'evt_cec9e9cdcefc8d5e876022aca079cf509584763f2f9e958a2187a75e787d37bf',
+              'ddp_cba320f7ca4aacc29e96df7cc4bd24f425efe23050548559ed6f25360aeb1a68')$$,
+    'completion and resolution identities of the vector match identity.json'
+);
+
+-- The step must still be exactly the lost winner: only a damaged database gets here.
+RESET ROLE;
+UPDATE ql3.step_runs SET status = 'failed' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008';
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry'))$$,
+    'Q3S01', 'resolving when the step is no longer the lost winner is QL3_ILLEGAL_TRANSITION'
+);
+
+SELECT * FROM finish();
+ROLLBACK;

@@ -7,7 +7,8 @@ contract); rows come back as dicts with uuids as strings. Errors are ``ql3.error
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from psycopg import Connection
@@ -154,3 +155,64 @@ class PgStore:
         row = self._row("SELECT * FROM ql3.outbox_backlog()")
         assert row is not None
         return row
+
+    # -- runs and steps -------------------------------------------------------------------
+
+    def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
+        """Creates a run (idempotent on the same run_id and content); its run_id."""
+        return str(
+            self._value("SELECT ql3.create_run(%s, %s, %s::uuid)", (project_id, trace_id, run_id))
+        )
+
+    def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
+        """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
+        return str(
+            self._value(
+                "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)", (run_id, kind, step_run_id)
+            )
+        )
+
+    def step_run(self, step_run_id: str) -> Row | None:
+        """The step row as it is now, or None."""
+        return _plain(
+            self._row("SELECT * FROM ql3.step_runs WHERE step_run_id = %s::uuid", (step_run_id,))
+        )
+
+    def run(self, run_id: str) -> Row | None:
+        """The run row as it is now, or None."""
+        return _plain(self._row("SELECT * FROM ql3.runs WHERE run_id = %s::uuid", (run_id,)))
+
+    # -- model invocations (stream ql3_ai) ------------------------------------------------
+
+    def _command(self, function: str, command: Mapping[str, Any]) -> Row:
+        result = self._value(f"SELECT ql3_ai.{function}(%s)", (Jsonb(dict(command)),))
+        assert isinstance(result, dict)
+        return result
+
+    def admit_invocation(self, command: Mapping[str, Any]) -> Row:
+        """Admission: {"status": "created"|"existing", "start", "start_digest"}."""
+        return self._command("admit_invocation", command)
+
+    def complete_invocation(self, command: Mapping[str, Any]) -> Row:
+        """Completion: {"status", "completion", "completion_digest"}."""
+        return self._command("complete_invocation", command)
+
+    def resolve_invocation(self, command: Mapping[str, Any]) -> Row:
+        """Human resolution of a lost outcome: {"status", "resolution", "resolution_digest"}."""
+        return self._command("resolve_invocation", command)
+
+    def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
+        """Settles expired starts without completion as lost: {"count", "recovered"}."""
+        result = self._value(
+            "SELECT ql3_ai.recover_expired(%s, %s)", (limit, timedelta(seconds=grace_seconds))
+        )
+        assert isinstance(result, dict)
+        return result
+
+    def usage_summary(
+        self, project_id: str, since: datetime | None = None, until: datetime | None = None
+    ) -> list[Row]:
+        """Totals by provider, model and currency over [since, until); unknown cost apart."""
+        return self._rows(
+            "SELECT * FROM ql3_ai.usage_summary(%s, %s, %s)", (project_id, since, until)
+        )

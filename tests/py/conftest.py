@@ -1,5 +1,14 @@
 from __future__ import annotations
 
 from fix_servers import base_dsn, db_dsn, fresh_db, migrated_template, redis_url, test_servers
+from fix_stores import store
 
-__all__ = ["base_dsn", "db_dsn", "fresh_db", "migrated_template", "redis_url", "test_servers"]
+__all__ = [
+    "base_dsn",
+    "db_dsn",
+    "fresh_db",
+    "migrated_template",
+    "redis_url",
+    "store",
+    "test_servers",
+]

@@ -36,8 +36,10 @@ lint: setup
 	$(BIN)/ruff format --check python tests bench
 	$(BIN)/mypy
 
+# Benchmarks start their own servers with PostgreSQL's durable defaults (fsync on), unlike
+# the tests; set QL3_TEST_DSN / QL3_TEST_REDIS_URL to measure existing servers instead.
 bench: setup
-	$(PY) tests/servers.py -- $(PY) -m bench
+	$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -53,6 +53,7 @@ class PostgresServer:
 
     datadir: Path
     port: int
+    durable: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -70,9 +71,7 @@ class PostgresServer:
             "-p", str(self.port),
             "-c", "listen_addresses=127.0.0.1",
             "-c", f"unix_socket_directories={self.datadir}",
-            "-c", "fsync=off",
-            "-c", "synchronous_commit=off",
-            "-c", "full_page_writes=off",
+            *self._durability(),
             "-c", "max_connections=300",
             "-c", "shared_buffers=256MB",
             "-c", "log_min_messages=fatal",
@@ -89,6 +88,12 @@ class PostgresServer:
                 return
             time.sleep(0.05)
         raise RuntimeError("postgres did not become ready")
+
+    def _durability(self) -> list[str]:
+        """Tests trade durability for speed; benchmarks keep PostgreSQL's defaults."""
+        if self.durable:
+            return ["-c", "fsync=on", "-c", "synchronous_commit=on", "-c", "full_page_writes=on"]
+        return ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
 
     def stop(self, *, fast: bool = True) -> None:
         """Shuts the cluster down; the signal goes to the whole process group because
@@ -118,7 +123,7 @@ class PostgresServer:
         )
 
 
-def start_postgres(root: Path) -> PostgresServer:
+def start_postgres(root: Path, *, durable: bool = False) -> PostgresServer:
     datadir = root / "pgdata"
     datadir.mkdir(parents=True)
     if os.geteuid() == 0:
@@ -132,7 +137,7 @@ def start_postgres(root: Path) -> PostgresServer:
         check=True,
         capture_output=True,
     )  # fmt: skip
-    server = PostgresServer(datadir=datadir, port=free_port())
+    server = PostgresServer(datadir=datadir, port=free_port(), durable=durable)
     server.start()
     return server
 
@@ -180,7 +185,7 @@ def create_database(server: PostgresServer, name: str) -> str:
 
 
 @contextlib.contextmanager
-def test_servers() -> Iterator[tuple[str, str]]:
+def test_servers(*, durable: bool = False) -> Iterator[tuple[str, str]]:
     """Yield (dsn, redis_url): the configured servers, or throwaway ones removed afterwards."""
     dsn = os.environ.get("QL3_TEST_DSN")
     redis_url = os.environ.get("QL3_TEST_REDIS_URL")
@@ -189,7 +194,7 @@ def test_servers() -> Iterator[tuple[str, str]]:
     rd: RedisServer | None = None
     try:
         if not dsn:
-            pg = start_postgres(root)
+            pg = start_postgres(root, durable=durable)
             dsn = create_database(pg, "ql3_test")
         if not redis_url:
             rd = start_redis(root)

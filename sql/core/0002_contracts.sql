@@ -148,7 +148,8 @@ COMMENT ON FUNCTION ql3._guard_outbox() IS
 'Trigger: outbox rows change only in their delivery columns and are deleted only once delivered.';
 
 CREATE TRIGGER contract_outbox_guard
-BEFORE UPDATE OR DELETE ON ql3.contract_outbox
+BEFORE UPDATE OF seq, event_id, event_type, project_id, contract_family, contract_id, old_revision_id,
+new_revision_id, pointer_version, created_at OR DELETE ON ql3.contract_outbox
 FOR EACH ROW EXECUTE FUNCTION ql3._guard_outbox();
 
 CREATE TRIGGER contract_outbox_no_truncate

@@ -1,0 +1,54 @@
+"""``python -m bench --quick`` produces its figures (speed itself is never a timed test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
+    base_dsn: str, redis_url: str, tmp_path: Path
+) -> None:
+    results = tmp_path / "latest.json"
+    env = dict(os.environ, QL3_TEST_DSN=base_dsn, QL3_TEST_REDIS_URL=redis_url)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "activations",
+         "--only", "relay_drain", "--results", str(results)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    doc = json.loads(results.read_text())
+    assert doc["machine"]["nproc"] >= 1
+    assert doc["machine"]["postgresql"].startswith("15")
+    benches = doc["benchmarks"]
+    assert set(benches) == {"activations", "relay_drain"}
+
+    act = benches["activations"]
+    for clients in (8, 1):
+        assert positive(act["figures"][f"activations_per_s_{clients}_clients"])
+        assert positive(act["baseline"][f"pgbench_insert_tps_{clients}_clients"])
+        assert positive(act["ratio"][f"{clients}_clients"])
+    assert isinstance(act["pass"], bool)
+
+    drain = benches["relay_drain"]
+    assert positive(drain["figures"]["relay_events_per_s"])
+    assert positive(drain["baseline"]["raw_publish_per_s"])
+    assert positive(drain["ratio"]["relay_over_raw_publish"])
+    assert drain["checks"]["outbox_undelivered_after"] == 0
+    assert drain["checks"]["subscriber_received_relay"] == drain["figures"]["events"]
+    assert isinstance(drain["pass"], bool)

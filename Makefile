@@ -32,8 +32,8 @@ test-py: setup
 
 lint: setup
 	$(BIN)/sqlfluff lint --dialect postgres --processes 2 sql tests/sql
-	$(BIN)/ruff check python tests bench
-	$(BIN)/ruff format --check python tests bench
+	$(BIN)/ruff check python tests bench examples
+	$(BIN)/ruff format --check python tests bench examples
 	$(BIN)/mypy
 
 # Benchmarks start their own servers with PostgreSQL's durable defaults (fsync on), unlike

@@ -1,0 +1,341 @@
+"""``ql3 invocations``, ``ql3 resolve``, ``ql3 usage`` and ``ql3 recover``, called as a user
+would (QL3_DSN from the environment, each command as the role it needs), and the recovery
+daemon in-process and as a process stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fix_invocations import PAST, PROJECT, admission, completion, model_step
+from fix_servers import role_dsn
+from ql3 import cli
+from ql3.invocations import Outcome, Usage
+from ql3.recovery import RecoveryConfig, RecoveryLoop
+from ql3.store import PgStore
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
+    """Exit code, parsed JSON stdout (None when empty) and stderr of one ``ql3`` command."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out.strip() else None, err
+
+
+@pytest.fixture
+def runtime(db_dsn: str) -> Iterator[PgStore]:
+    with PgStore(role_dsn(db_dsn, "runtime")) as store:
+        yield store
+
+
+@pytest.fixture
+def as_role(db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    def use(role: str) -> str:
+        dsn = role_dsn(db_dsn, role)
+        monkeypatch.setenv("QL3_DSN", dsn)
+        return dsn
+
+    return use
+
+
+def settled(store: PgStore, outcome: Outcome, **kw: Any) -> tuple[str, dict[str, Any]]:
+    """A new step admitted and completed: (step_run_id, completion result)."""
+    run_id, step = model_step(store)
+    start = store.admit_invocation(admission(run_id, step))
+    return step, store.complete_invocation(completion(start, outcome, **kw))
+
+
+def running(store: PgStore, **kw: Any) -> tuple[str, dict[str, Any]]:
+    run_id, step = model_step(store)
+    return step, store.admit_invocation(admission(run_id, step, **kw))
+
+
+def invocation_id(result: dict[str, Any]) -> str:
+    record = result.get("completion") or result["start"]
+    return str(record["invocation_id"])
+
+
+# -- invocations list / show -----------------------------------------------------------
+
+
+def test_list_shows_newest_first_and_unresolved_shows_only_lost_ones(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    _, ok = settled(runtime, Outcome.SUCCEEDED)
+    _, lost = settled(runtime, Outcome.LOST)
+    _, live = running(runtime)
+    as_role("reader")
+
+    code, rows, _ = run(capsys, "invocations", "list")
+    assert code == 0
+    assert [r["invocation_id"] for r in rows] == [invocation_id(x) for x in (live, lost, ok)]
+    assert [r["outcome"] for r in rows] == [None, "lost", "succeeded"]
+    assert rows[1]["result_code"] == "outcome_unknown" and rows[1]["decision"] is None
+
+    code, rows, _ = run(capsys, "invocations", "list", "--unresolved")
+    assert code == 0 and [r["invocation_id"] for r in rows] == [invocation_id(lost)]
+
+    code, rows, _ = run(capsys, "invocations", "list", "--limit", "1", "--project", PROJECT)
+    assert code == 0 and [r["invocation_id"] for r in rows] == [invocation_id(live)]
+    code, rows, _ = run(capsys, "invocations", "list", "--project", "elsewhere")
+    assert code == 0 and rows == []
+    code, _, err = run(capsys, "invocations", "list", "--limit", "0")
+    assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT")
+
+
+def test_show_prints_receipts_step_and_usage(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    step, done = settled(runtime, Outcome.SUCCEEDED, usage=Usage(input_tokens=3, output_tokens=9))
+    as_role("reader")
+    code, shown, _ = run(capsys, "invocations", "show", invocation_id(done))
+    assert code == 0
+    assert shown["completion"] == done["completion"]
+    assert shown["completion_digest"] == done["completion_digest"]
+    assert shown["start_digest"] == done["completion"]["start_digest"]
+    assert shown["start"]["invocation_id"] == invocation_id(done)
+    assert shown["resolution"] is None and shown["resolution_digest"] is None
+    assert shown["step"]["step_run_id"] == step and shown["step"]["status"] == "succeeded"
+    assert (shown["usage"]["input_tokens"], shown["usage"]["output_tokens"]) == (3, 9)
+    assert shown["usage"]["cost_micros"] is None
+
+    _, live = running(runtime)
+    code, shown, _ = run(capsys, "invocations", "show", invocation_id(live))
+    assert code == 0 and shown["completion"] is None and shown["usage"] is None
+
+    code, _, err = run(capsys, "invocations", "show", "inv-never")
+    assert code == 1 and err.startswith("error: QL3_NOT_FOUND")
+
+
+# -- resolve ---------------------------------------------------------------------------
+
+
+def test_resolve_reads_the_digest_and_version_itself_and_replays_as_existing(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    step, lost = settled(runtime, Outcome.LOST)
+    as_role("operator")
+    argv = ("resolve", invocation_id(lost), "--decision", "retry", "--user", "alice",
+            "--reason", "provider has no record")  # fmt: skip
+    code, result, _ = run(capsys, *argv)
+    assert code == 0 and result["status"] == "created"
+    assert result["resolution"]["completion_digest"] == lost["completion_digest"]
+    assert result["resolution"]["reason"] == "provider has no record"
+    step_row = runtime.step_run(step)
+    assert step_row is not None and step_row["status"] == "ready"
+
+    code, again, _ = run(capsys, *argv)
+    assert code == 0 and again["status"] == "existing"
+    assert again["resolution_digest"] == result["resolution_digest"]
+
+    code, _, err = run(capsys, "resolve", invocation_id(lost), "--decision", "cancel",
+                       "--user", "alice")  # fmt: skip
+    assert code == 1 and err.startswith("error: QL3_CONFLICT")
+
+
+def test_resolve_refuses_what_is_not_lost_with_stable_codes(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    _, ok = settled(runtime, Outcome.SUCCEEDED)
+    _, live = running(runtime)
+    as_role("operator")
+    for target in (invocation_id(ok), invocation_id(live)):
+        code, _, err = run(capsys, "resolve", target, "--decision", "fail", "--user", "alice")
+        assert code == 1 and err.startswith("error: QL3_ILLEGAL_TRANSITION"), err
+    code, _, err = run(capsys, "resolve", "inv-never", "--decision", "fail", "--user", "alice")
+    assert code == 1 and err.startswith("error: QL3_NOT_FOUND")
+    with pytest.raises(SystemExit) as usage_error:
+        cli.main(["resolve", invocation_id(ok), "--decision", "ignore", "--user", "alice"])
+    assert usage_error.value.code == 2
+
+
+def test_the_runtime_role_cannot_resolve_from_the_cli(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    step, lost = settled(runtime, Outcome.LOST)
+    as_role("runtime")
+    code, _, err = run(capsys, "resolve", invocation_id(lost), "--decision", "retry",
+                       "--user", "worker")  # fmt: skip
+    assert code == 1 and err.startswith("error: QL3_PERMISSION_DENIED")
+    step_row = runtime.step_run(step)
+    assert step_row is not None and step_row["status"] == "lost"
+
+
+# -- usage -----------------------------------------------------------------------------
+
+
+def test_usage_totals_by_provider_and_model_within_the_window(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    settled(runtime, Outcome.SUCCEEDED, usage=Usage(input_tokens=10, cost_micros=7, currency="USD"))
+    settled(runtime, Outcome.FAILED, usage=Usage(input_tokens=5, cost_micros=3, currency="USD"))
+    settled(runtime, Outcome.SUCCEEDED, usage=Usage(output_tokens=4))
+    as_role("reader")
+
+    code, rows, _ = run(capsys, "usage", "--project", PROJECT)
+    assert code == 0
+    by_currency = {r["currency"]: r for r in rows}
+    assert by_currency["USD"]["completions"] == 2 and by_currency["USD"]["input_tokens"] == 15
+    assert by_currency["USD"]["known_cost_micros"] == 10
+    assert by_currency[None]["unknown_cost_completions"] == 1
+
+    hour_ago = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    code, rows, _ = run(capsys, "usage", "--project", PROJECT, "--since", hour_ago)
+    assert code == 0 and len(rows) == 2
+    code, rows, _ = run(capsys, "usage", "--project", PROJECT, "--until", "2000-01-01")
+    assert code == 0 and rows == []
+    code, _, err = run(capsys, "usage", "--project", PROJECT, "--since", "last week")
+    assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT")
+
+
+# -- recover ---------------------------------------------------------------------------
+
+
+def test_recover_once_prints_what_it_settled(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    step, expired = running(runtime, deadline=PAST)
+    running(runtime)
+    as_role("operator")
+    code, result, _ = run(capsys, "recover", "--grace", "0")
+    assert code == 0 and result["count"] == 1
+    assert result["recovered"][0]["invocation_id"] == invocation_id(expired)
+    step_row = runtime.step_run(step)
+    assert step_row is not None and step_row["status"] == "lost"
+    code, result, _ = run(capsys, "recover", "--grace", "0")
+    assert code == 0 and result == {"count": 0, "recovered": []}
+    code, _, err = run(capsys, "recover", "--limit", "0")
+    assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT")
+
+
+def test_recover_as_runtime_is_permission_denied(
+    capsys: pytest.CaptureFixture[str], as_role: Any
+) -> None:
+    as_role("runtime")
+    code, _, err = run(capsys, "recover")
+    assert code == 1 and err.startswith("error: QL3_PERMISSION_DENIED")
+
+
+def fetch(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_recovery_loop_drains_full_batches_then_waits(runtime: PgStore, db_dsn: str) -> None:
+    steps = [running(runtime, deadline=PAST)[0] for _ in range(5)]
+    config = RecoveryConfig(limit=2, grace_seconds=0, interval=3600, metrics_port=0)
+    loop = RecoveryLoop(role_dsn(db_dsn, "operator"), config, registry=CollectorRegistry())
+    loop.start()
+    try:
+        loop.wait_until(lambda r: r.recovered == 5)
+        assert loop.batches == 3  # 2 + 2 + 1: the short batch ends the round
+        assert loop.metrics_port is not None
+        status, body = fetch(loop.metrics_port, "/metrics")
+        assert status == 200
+        assert "ql3_recovery_recovered_total 5.0" in body
+        assert "ql3_recovery_errors_total 0.0" in body
+        assert "ql3_recovery_last_run_timestamp_seconds" in body
+        status, body = fetch(loop.metrics_port, "/healthz")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+    finally:
+        loop.stop()
+    for step in steps:
+        row = runtime.step_run(step)
+        assert row is not None and row["status"] == "lost"
+
+
+def test_recovery_loop_logs_database_errors_and_keeps_retrying(db_dsn: str) -> None:
+    config = RecoveryConfig(grace_seconds=0, interval=0.05, backoff_initial=0.01,
+                            backoff_max=0.05, metrics_port=0)  # fmt: skip
+    # The runtime role may not recover: every batch fails with QL3_PERMISSION_DENIED.
+    loop = RecoveryLoop(role_dsn(db_dsn, "runtime"), config, registry=CollectorRegistry())
+    loop.start()
+    try:
+        loop.wait_until(lambda r: r.errors >= 3)
+        assert loop.batches == 0 and not loop.stopping
+        assert loop.last_error is not None and "PermissionDenied" in loop.last_error
+        assert loop.metrics_port is not None
+        status, body = fetch(loop.metrics_port, "/healthz")
+        assert status == 503 and json.loads(body)["status"] == "failing"
+        status, body = fetch(loop.metrics_port, "/metrics")
+        assert "ql3_recovery_errors_total" in body and "ql3_recovery_up 0.0" in body
+    finally:
+        loop.stop()
+
+
+class LineReader:
+    """The lines a process writes to a pipe, awaited one by one."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
+
+    def _pump(self) -> None:
+        for line in self.stream:
+            self.lines.put(line)
+
+    def close(self) -> None:
+        """After the process ended: wait for the pipe's end, then close it."""
+        self.pump.join(timeout=10)
+        self.stream.close()
+
+    def until(self, event: str, timeout: float = 20.0, **fields: Any) -> dict[str, Any]:
+        deadline = datetime.now(UTC) + timedelta(seconds=timeout)
+        while (left := (deadline - datetime.now(UTC)).total_seconds()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            doc = json.loads(line)
+            if doc.get("event") == event and all(doc.get(k) == v for k, v in fields.items()):
+                return dict(doc)
+        raise AssertionError(f"no {event} log line; saw: {''.join(self.seen)}")
+
+
+def test_recover_loop_process_recovers_serves_metrics_and_exits_0_on_sigterm(
+    runtime: PgStore, db_dsn: str
+) -> None:
+    exe = Path(sys.executable).with_name("ql3")
+    env = {**os.environ, "QL3_DSN": role_dsn(db_dsn, "operator")}
+    argv = [str(exe), "recover", "--loop", "--grace", "0", "--interval", "0.1",
+            "--metrics-port", "0"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    logs = LineReader(proc.stderr)
+    try:
+        port = int(logs.until("metrics_listening")["port"])
+        _, expired = running(runtime, deadline=PAST)
+        logs.until("invocation_recovered", invocation_id=invocation_id(expired))
+        status, body = fetch(port, "/metrics")
+        assert status == 200 and "ql3_recovery_recovered_total 1.0" in body
+        assert fetch(port, "/healthz")[0] == 200
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        logs.until("recovery_stopped", recovered=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        logs.close()

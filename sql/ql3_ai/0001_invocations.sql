@@ -342,18 +342,25 @@ COMMENT ON FUNCTION ql3_ai._utc(timestamptz) IS 'RFC 3339 UTC text with exactly 
 -- mutation_id, event_id and dedupe_key of one phase (SPEC section 2): the three digests
 -- share one canonical text, so it is computed once instead of three times. The pgTAP
 -- suite holds the result equal to ql3.mutation_id, ql3.event_id and ql3.dedupe_key.
+-- The canonical text of a two-element array is written out: a JSON string's canonical
+-- form is what escape_json prints, which is what to_json(text) and jsonb output print.
 CREATE FUNCTION ql3_ai._identities(invocation_id text, phase text) RETURNS text []
-LANGUAGE plpgsql IMMUTABLE
+LANGUAGE sql STABLE PARALLEL SAFE
 AS $$
-DECLARE
-    framed bytea := '\x00'::bytea || convert_to(ql3.jcs(jsonb_build_array(invocation_id, phase)), 'UTF8');
-BEGIN
-    RETURN ARRAY[
-        'mut_' || encode(sha256(convert_to('ql3/mutation-id@v1', 'UTF8') || framed), 'hex'),
-        'evt_' || encode(sha256(convert_to('ql3/run-event-id@v1', 'UTF8') || framed), 'hex'),
-        'ddp_' || encode(sha256(convert_to('ql3/dedupe-key@v1', 'UTF8') || framed), 'hex')
-    ];
-END;
+    -- One SELECT of one expression, so that the planner inlines it into the caller's
+    -- expression (no function call per admission or completion); STABLE because to_json
+    -- and convert_to are.
+    SELECT ARRAY[
+        'mut_' || encode(sha256(convert_to('ql3/mutation-id@v1', 'UTF8') || decode('00', 'hex') || convert_to(
+            '[' || coalesce(to_json(invocation_id)::text, 'null') || ',' || coalesce(to_json(phase)::text, 'null')
+            || ']', 'UTF8')), 'hex'),
+        'evt_' || encode(sha256(convert_to('ql3/run-event-id@v1', 'UTF8') || decode('00', 'hex') || convert_to(
+            '[' || coalesce(to_json(invocation_id)::text, 'null') || ',' || coalesce(to_json(phase)::text, 'null')
+            || ']', 'UTF8')), 'hex'),
+        'ddp_' || encode(sha256(convert_to('ql3/dedupe-key@v1', 'UTF8') || decode('00', 'hex') || convert_to(
+            '[' || coalesce(to_json(invocation_id)::text, 'null') || ',' || coalesce(to_json(phase)::text, 'null')
+            || ']', 'UTF8')), 'hex')
+    ]
 $$;
 
 COMMENT ON FUNCTION ql3_ai._identities(text, text) IS
@@ -380,6 +387,15 @@ CREATE FUNCTION ql3_ai.admit_invocation(command jsonb) RETURNS jsonb
 LANGUAGE plpgsql
 SET search_path = pg_catalog, ql3
 AS $$
+-- Hot path: one admission per transaction, so each expression below is also set up once
+-- per call; they are kept few and compact. Every check first runs as a cheap expression
+-- that implies the original checks pass; only when it does not are the original helpers
+-- called, in the original order, so that each error keeps its SQLSTATE, message and
+-- precedence. The canonical texts of the command (in the common shape) and of the start
+-- record are written out in sorted key order instead of walking them with ql3.jcs: the
+-- fields are fixed, a JSON string's canonical form is its jsonb (escape_json) text, and an
+-- integer's is its digits. The pgTAP suite holds every digest equal to ql3.digest of the
+-- same value.
 <<admit_invocation>>
 DECLARE
     command_digest text;
@@ -399,46 +415,140 @@ DECLARE
     run ql3.runs;
     prior ql3_ai.model_invocation_starts;
     ids text [];
-    mutation_id text;
-    event_id text;
-    dedupe_key text;
     receipt jsonb;
     start_digest text;
+    result jsonb;
+    canonical text;
+    policy_text text := 'null';
+    common_shape boolean;
 BEGIN
-    PERFORM ql3_ai._check_shape(
-        'admission command', command, 'ql3/model-invocation-admission@v1',
-        ARRAY['schema', 'invocation_id', 'request_id', 'project_id', 'run_id', 'step_run_id', 'trace_id',
-              'expected_step_run_version', 'provider', 'model', 'policy', 'request_digest', 'input_bytes',
-              'deadline_at'],
-        ARRAY['string', 'string', 'string', 'string', 'string', 'string', 'string',
-              'integer', 'string', 'string', 'object?', 'string', 'integer',
-              'string']);
-    IF jsonb_typeof(policy) = 'object' THEN
+    -- The common shape: exactly the v1 fields, strings where strings belong, integers
+    -- written as plain digits up to 10^15 (within 2^53-1 and canonical as they are), policy
+    -- null or exactly three strings. Anything else takes the original checks.
+    common_shape := coalesce(
+        command ?& '{schema,invocation_id,request_id,project_id,run_id,step_run_id,trace_id,expected_step_run_version,provider,model,policy,request_digest,input_bytes,deadline_at}'::text []
+        AND command - '{schema,invocation_id,request_id,project_id,run_id,step_run_id,trace_id,expected_step_run_version,provider,model,policy,request_digest,input_bytes,deadline_at}'::text []
+            = '{}'::jsonb
+        AND jsonb_path_match(
+            command,
+            'strict $.schema == "ql3/model-invocation-admission@v1" && $.invocation_id.type() == "string"'
+            ' && $.request_id.type() == "string" && $.project_id.type() == "string"'
+            ' && $.run_id.type() == "string" && $.step_run_id.type() == "string" && $.trace_id.type() == "string"'
+            ' && $.provider.type() == "string" && $.model.type() == "string"'
+            ' && $.request_digest.type() == "string" && $.deadline_at.type() == "string"'
+            ' && $.expected_step_run_version.type() == "number" && $.expected_step_run_version <= 999999999999999'
+            ' && $.input_bytes.type() == "number" && $.input_bytes <= 999999999999999'
+            ' && ($.policy.type() == "null" || ($.policy.contract_family.type() == "string"'
+            ' && $.policy.contract_id.type() == "string" && $.policy.revision_id.type() == "string"))',
+            '{}', TRUE)
+        AND translate((command ->> 'expected_step_run_version') || (command ->> 'input_bytes'), '0123456789', '') = ''
+        AND (policy = 'null'::jsonb
+             OR (policy ?& '{contract_family,contract_id,revision_id}'::text []
+                 AND policy - '{contract_family,contract_id,revision_id}'::text [] = '{}'::jsonb)),
+        FALSE);
+    IF common_shape THEN
+        IF policy <> 'null'::jsonb THEN
+            policy_text := format('{"contract_family":%s,"contract_id":%s,"revision_id":%s}',
+                                  policy -> 'contract_family', policy -> 'contract_id', policy -> 'revision_id');
+        END IF;
+        canonical := format(
+            '{"deadline_at":%s,"expected_step_run_version":%s,"input_bytes":%s,"invocation_id":%s,"model":%s,'
+            '"policy":%s,"project_id":%s,"provider":%s,"request_digest":%s,"request_id":%s,"run_id":%s,'
+            '"schema":"ql3/model-invocation-admission@v1","step_run_id":%s,"trace_id":%s}',
+            command -> 'deadline_at', command -> 'expected_step_run_version', command -> 'input_bytes',
+            command -> 'invocation_id', command -> 'model', policy_text, command -> 'project_id',
+            command -> 'provider', command -> 'request_digest', command -> 'request_id', command -> 'run_id',
+            command -> 'step_run_id', command -> 'trace_id');
+        IF octet_length(canonical) > 24576 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V02',
+                MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
+                                 'admission command', octet_length(canonical));
+        END IF;
+        command_digest := encode(sha256(
+            convert_to('ql3/model-invocation-admission@v1', 'UTF8') || decode('00', 'hex')
+            || convert_to(canonical, 'UTF8')), 'hex');
+    ELSE
         PERFORM ql3_ai._check_shape(
-            'admission command policy', policy, NULL,
-            ARRAY['contract_family', 'contract_id', 'revision_id'], ARRAY['string', 'string', 'string']);
+            'admission command', command, 'ql3/model-invocation-admission@v1',
+            ARRAY['schema', 'invocation_id', 'request_id', 'project_id', 'run_id', 'step_run_id', 'trace_id',
+                  'expected_step_run_version', 'provider', 'model', 'policy', 'request_digest', 'input_bytes',
+                  'deadline_at'],
+            ARRAY['string', 'string', 'string', 'string', 'string', 'string', 'string',
+                  'integer', 'string', 'string', 'object?', 'string', 'integer',
+                  'string']);
+        IF jsonb_typeof(policy) = 'object' THEN
+            PERFORM ql3_ai._check_shape(
+                'admission command policy', policy, NULL,
+                ARRAY['contract_family', 'contract_id', 'revision_id'], ARRAY['string', 'string', 'string']);
+            policy_text := format('{"contract_family":%s,"contract_id":%s,"revision_id":%s}',
+                                  policy -> 'contract_family', policy -> 'contract_id', policy -> 'revision_id');
+        END IF;
+        command_digest := ql3_ai._checked_digest('admission command', 'ql3/model-invocation-admission@v1', command);
     END IF;
-    command_digest := ql3_ai._checked_digest('admission command', 'ql3/model-invocation-admission@v1', command);
-    invocation_id := ql3._check_identifier('invocation_id', command ->> 'invocation_id');
-    PERFORM ql3._check_identifier('request_id', command ->> 'request_id');
-    PERFORM ql3._check_identifier('project_id', command ->> 'project_id');
-    PERFORM ql3._check_identifier('trace_id', command ->> 'trace_id');
-    PERFORM ql3._check_identifier('provider', command ->> 'provider');
-    PERFORM ql3._check_identifier('model', command ->> 'model');
-    run_id := ql3_ai._uuid('run_id', command ->> 'run_id');
-    step_run_id := ql3_ai._uuid('step_run_id', command ->> 'step_run_id');
+    -- The field checks of the original order as one expression: identifiers of 1..128
+    -- characters, lowercase hyphenated uuids, a lowercase hex SHA-256, the version >= 1
+    -- (plain digits without leading zeros: not "0"), and the record timestamp format with
+    -- a day of at most 28 (later days take the original check of the month's length).
+    IF NOT coalesce(
+        common_shape
+        AND least(char_length(command ->> 'invocation_id'), char_length(command ->> 'request_id'),
+                  char_length(command ->> 'project_id'), char_length(command ->> 'trace_id'),
+                  char_length(command ->> 'provider'), char_length(command ->> 'model')) >= 1
+        AND greatest(char_length(command ->> 'invocation_id'), char_length(command ->> 'request_id'),
+                     char_length(command ->> 'project_id'), char_length(command ->> 'trace_id'),
+                     char_length(command ->> 'provider'), char_length(command ->> 'model')) <= 128
+        AND translate(command ->> 'run_id', '0123456789abcdef', '0000000000000000')
+            = '00000000-0000-0000-0000-000000000000'
+        AND translate(command ->> 'step_run_id', '0123456789abcdef', '0000000000000000')
+            = '00000000-0000-0000-0000-000000000000'
+        AND command ->> 'expected_step_run_version' <> '0'
+        AND translate(command ->> 'request_digest', '0123456789abcdef', '0000000000000000')
+            = '0000000000000000000000000000000000000000000000000000000000000000'
+        AND translate(command ->> 'deadline_at', '0123456789', '0000000000') = '0000-00-00T00:00:00.000000Z'
+        AND left(command ->> 'deadline_at', 4) <> '0000'
+        AND substr(command ->> 'deadline_at', 6, 2) COLLATE "C" BETWEEN '01' AND '12'
+        AND substr(command ->> 'deadline_at', 9, 2) COLLATE "C" BETWEEN '01' AND '28'
+        AND substr(command ->> 'deadline_at', 12, 2) COLLATE "C" <= '23'
+        AND substr(command ->> 'deadline_at', 15, 2) COLLATE "C" <= '59'
+        AND substr(command ->> 'deadline_at', 18, 2) COLLATE "C" <= '59'
+        AND (policy = 'null'::jsonb
+             OR (char_length(policy ->> 'contract_family') BETWEEN 1 AND 128
+                 AND char_length(policy ->> 'contract_id') BETWEEN 1 AND 128
+                 AND translate(policy ->> 'revision_id', '0123456789abcdef', '0000000000000000')
+                     = '00000000-0000-0000-0000-000000000000')),
+        FALSE) THEN
+        PERFORM ql3._check_identifier('invocation_id', command ->> 'invocation_id');
+        PERFORM ql3._check_identifier('request_id', command ->> 'request_id');
+        PERFORM ql3._check_identifier('project_id', command ->> 'project_id');
+        PERFORM ql3._check_identifier('trace_id', command ->> 'trace_id');
+        PERFORM ql3._check_identifier('provider', command ->> 'provider');
+        PERFORM ql3._check_identifier('model', command ->> 'model');
+        PERFORM ql3_ai._uuid('run_id', command ->> 'run_id');
+        PERFORM ql3_ai._uuid('step_run_id', command ->> 'step_run_id');
+        IF (command ->> 'expected_step_run_version')::bigint < 1 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: expected_step_run_version must be >= 1';
+        END IF;
+        PERFORM ql3_ai._check_sha256('request_digest', command ->> 'request_digest');
+        PERFORM (command ->> 'input_bytes')::bigint;
+        PERFORM ql3_ai._timestamp('deadline_at', command ->> 'deadline_at');
+        IF policy <> 'null'::jsonb THEN
+            PERFORM ql3._check_identifier('policy.contract_family', policy ->> 'contract_family');
+            PERFORM ql3._check_identifier('policy.contract_id', policy ->> 'contract_id');
+            PERFORM ql3_ai._uuid('policy.revision_id', policy ->> 'revision_id');
+        END IF;
+    END IF;
+    invocation_id := command ->> 'invocation_id';
+    run_id := (command ->> 'run_id')::uuid;
+    step_run_id := (command ->> 'step_run_id')::uuid;
     expected_version := (command ->> 'expected_step_run_version')::bigint;
-    IF expected_version < 1 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: expected_step_run_version must be >= 1';
-    END IF;
-    PERFORM ql3_ai._check_sha256('request_digest', command ->> 'request_digest');
     input_bytes := (command ->> 'input_bytes')::bigint;
-    deadline_at := ql3_ai._timestamp('deadline_at', command ->> 'deadline_at');
+    deadline_at := (command ->> 'deadline_at')::timestamptz;
     IF policy <> 'null'::jsonb THEN
-        policy_family := ql3._check_identifier('policy.contract_family', policy ->> 'contract_family');
-        policy_contract := ql3._check_identifier('policy.contract_id', policy ->> 'contract_id');
-        policy_revision := ql3_ai._uuid('policy.revision_id', policy ->> 'revision_id');
+        policy_family := policy ->> 'contract_family';
+        policy_contract := policy ->> 'contract_id';
+        policy_revision := (policy ->> 'revision_id')::uuid;
     END IF;
 
     -- The step lock comes first: it orders this admission against every other
@@ -521,35 +631,63 @@ BEGIN
                              command ->> 'project_id', command ->> 'trace_id');
     END IF;
 
-    ids := ql3_ai._identities(invocation_id, 'admission');
-    mutation_id := ids[1];
-    event_id := ids[2];
-    dedupe_key := ids[3];
-    receipt := jsonb_build_object(
-        'schema', 'ql3/model-invocation-start@v1',
-        'invocation_id', invocation_id,
-        'request_id', command ->> 'request_id',
-        'project_id', command ->> 'project_id',
-        'run_id', command ->> 'run_id',
-        'step_run_id', command ->> 'step_run_id',
-        'trace_id', command ->> 'trace_id',
-        'attempt', step.attempt_count + 1,
-        'provider', command ->> 'provider',
-        'model', command ->> 'model',
-        'policy', policy,
-        'request_digest', command ->> 'request_digest',
-        'input_bytes', input_bytes,
-        'deadline_at', command ->> 'deadline_at',
-        'command_digest', command_digest,
-        'step_run_version', step.version + 1,
-        'run_version', run.version,
-        'run_event_seq', run.event_seq,
-        'mutation_id', mutation_id,
-        'event_id', event_id,
-        'dedupe_key', dedupe_key,
-        'admitted_at', ql3_ai._utc(now())
-    );
-    start_digest := ql3_ai._checked_digest('start record', 'ql3/model-invocation-start@v1', receipt);
+    ids := ql3_ai._identities(invocation_id, 'admission');  -- mutation_id, event_id, dedupe_key
+    -- ql3.jcs refuses numbers beyond 2^53-1; only a counter that large takes the long way.
+    IF greatest(step.attempt_count + 1, step.version + 1, run.version, run.event_seq, input_bytes)
+       <= 9007199254740991
+       AND least(step.attempt_count + 1, step.version + 1, run.version, run.event_seq, input_bytes)
+       >= -9007199254740991 THEN
+        canonical := format(
+            '{"admitted_at":"%s","attempt":%s,"command_digest":"%s","deadline_at":%s,"dedupe_key":"%s",'
+            '"event_id":"%s","input_bytes":%s,"invocation_id":%s,"model":%s,"mutation_id":"%s","policy":%s,'
+            '"project_id":%s,"provider":%s,"request_digest":%s,"request_id":%s,"run_event_seq":%s,'
+            '"run_id":%s,"run_version":%s,"schema":"ql3/model-invocation-start@v1","step_run_id":%s,'
+            '"step_run_version":%s,"trace_id":%s}',
+            ql3_ai._utc(now()), step.attempt_count + 1, command_digest, command -> 'deadline_at', ids[3],
+            ids[2], input_bytes, command -> 'invocation_id', command -> 'model', ids[1], policy_text,
+            command -> 'project_id', command -> 'provider', command -> 'request_digest', command -> 'request_id',
+            run.event_seq, command -> 'run_id', run.version, command -> 'step_run_id', step.version + 1,
+            command -> 'trace_id');
+        IF octet_length(canonical) > 24576 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V02',
+                MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
+                                 'start record', octet_length(canonical));
+        END IF;
+        start_digest := encode(sha256(
+            convert_to('ql3/model-invocation-start@v1', 'UTF8') || decode('00', 'hex')
+            || convert_to(canonical, 'UTF8')), 'hex');
+        -- The result parsed once; the stored record is its "start" (a copy of the bytes).
+        result := format('{"start":%s,"start_digest":"%s","status":"created"}', canonical, start_digest)::jsonb;
+        receipt := result -> 'start';
+    ELSE
+        receipt := jsonb_build_object(
+            'schema', 'ql3/model-invocation-start@v1',
+            'invocation_id', invocation_id,
+            'request_id', command ->> 'request_id',
+            'project_id', command ->> 'project_id',
+            'run_id', command ->> 'run_id',
+            'step_run_id', command ->> 'step_run_id',
+            'trace_id', command ->> 'trace_id',
+            'attempt', step.attempt_count + 1,
+            'provider', command ->> 'provider',
+            'model', command ->> 'model',
+            'policy', policy,
+            'request_digest', command ->> 'request_digest',
+            'input_bytes', input_bytes,
+            'deadline_at', command ->> 'deadline_at',
+            'command_digest', command_digest,
+            'step_run_version', step.version + 1,
+            'run_version', run.version,
+            'run_event_seq', run.event_seq,
+            'mutation_id', ids[1],
+            'event_id', ids[2],
+            'dedupe_key', ids[3],
+            'admitted_at', ql3_ai._utc(now())
+        );
+        start_digest := ql3_ai._checked_digest('start record', 'ql3/model-invocation-start@v1', receipt);
+        result := jsonb_build_object('status', 'created', 'start', receipt, 'start_digest', start_digest);
+    END IF;
 
     INSERT INTO ql3_ai.model_invocation_starts (
         invocation_id, request_id, project_id, run_id, step_run_id, trace_id, attempt, provider, model,
@@ -559,7 +697,7 @@ BEGIN
         invocation_id, command ->> 'request_id', command ->> 'project_id', run_id, step_run_id,
         command ->> 'trace_id', step.attempt_count + 1, command ->> 'provider', command ->> 'model',
         policy_family, policy_contract, policy_revision, command ->> 'request_digest', deadline_at,
-        input_bytes, command_digest, receipt, start_digest, mutation_id, event_id, dedupe_key, now()
+        input_bytes, command_digest, receipt, start_digest, ids[1], ids[2], ids[3], now()
     )
     ON CONFLICT ON CONSTRAINT model_invocation_starts_pkey DO NOTHING;
     IF NOT found THEN
@@ -575,16 +713,16 @@ BEGIN
         current_invocation_id = admit_invocation.invocation_id, updated_at = now()
     WHERE s.step_run_id = admit_invocation.step_run_id;
     INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
-    VALUES (run_id, run.event_seq, event_id, 'model_invocation_admitted', step_run_id,
+    VALUES (run_id, run.event_seq, ids[2], 'model_invocation_admitted', step_run_id,
             jsonb_build_object('invocation_id', invocation_id, 'attempt', step.attempt_count + 1,
                                'from_status', 'ready', 'to_status', 'running',
                                'step_run_version', step.version + 1, 'start_digest', start_digest));
     INSERT INTO ql3.step_run_mutations (
         mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version, command_digest
     ) VALUES (
-        mutation_id, dedupe_key, step_run_id, 'ready', 'running', step.version, step.version + 1, command_digest
+        ids[1], ids[3], step_run_id, 'ready', 'running', step.version, step.version + 1, command_digest
     );
-    RETURN jsonb_build_object('status', 'created', 'start', receipt, 'start_digest', start_digest);
+    RETURN result;
 END;
 $$;
 
@@ -617,47 +755,94 @@ DECLARE
     dedupe_key text := ids[3];
     receipt jsonb;
     completion_digest text;
+    result jsonb;
+    output_bytes bigint;
+    canonical text;
 BEGIN
     IF outcome = 'succeeded' THEN
         output_ref := 'model-invocation:' || invocation_id;
-    END IF;
-    IF usage <> 'null'::jsonb THEN
-        usage := jsonb_build_object('input_tokens', input_tokens, 'output_tokens', output_tokens,
-                                    'cost_micros', cost_micros, 'currency', currency);
     END IF;
     UPDATE ql3.runs AS r
     SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
     WHERE r.run_id = start.run_id
     RETURNING * INTO run;
-    receipt := jsonb_build_object(
-        'schema', 'ql3/model-invocation-completion@v1',
-        'invocation_id', invocation_id,
-        'start_digest', start.start_digest,
-        'project_id', start.project_id,
-        'run_id', start.run_id,
-        'step_run_id', start.step_run_id,
-        'trace_id', start.trace_id,
-        'attempt', start.attempt,
-        'provider', start.provider,
-        'model', start.model,
-        'outcome', outcome,
-        'result_code', result_code,
-        'output_bytes', (command ->> 'output_bytes')::bigint,
-        'output_digest', command ->> 'output_digest',
-        'usage', usage,
-        'recovered', recovered,
-        'output_ref', output_ref,
-        'command_digest', command_digest,
-        'step_run_version', step_version + 1,
-        'run_version', run.version,
-        'run_event_seq', run.event_seq,
-        'mutation_id', mutation_id,
-        'event_id', event_id,
-        'dedupe_key', dedupe_key,
-        'completed_at', ql3_ai._utc(now())
-    );
-    completion_digest := ql3_ai._checked_digest(
-        'completion record', 'ql3/model-invocation-completion@v1', receipt);
+    output_bytes := (command ->> 'output_bytes')::bigint;
+    -- The record's canonical text written out in sorted key order (see admit_invocation).
+    -- ql3.jcs refuses numbers beyond 2^53-1 and prints SQL NULL as null: a record with a
+    -- number that large or a NULL where the start row never has one takes the long way.
+    IF greatest(start.attempt, output_bytes, input_tokens, output_tokens, cost_micros, step_version + 1,
+                run.version, run.event_seq) <= 9007199254740991
+       AND least(start.attempt, output_bytes, input_tokens, output_tokens, cost_micros, step_version + 1,
+                 run.version, run.event_seq) >= -9007199254740991
+       AND num_nulls(start.attempt, invocation_id, start.project_id, start.provider, start.model, start.run_id,
+                     start.step_run_id, start.trace_id, start.start_digest, command_digest, recovered, step_version,
+                     run.version, run.event_seq) = 0 THEN
+        canonical := format(
+            '{"attempt":%s,"command_digest":%s,"completed_at":"%s","dedupe_key":"%s","event_id":"%s",'
+            '"invocation_id":%s,"model":%s,"mutation_id":"%s","outcome":%s,"output_bytes":%s,"output_digest":%s,'
+            '"output_ref":%s,"project_id":%s,"provider":%s,"recovered":%s,"result_code":%s,"run_event_seq":%s,'
+            '"run_id":"%s","run_version":%s,"schema":"ql3/model-invocation-completion@v1","start_digest":%s,'
+            '"step_run_id":"%s","step_run_version":%s,"trace_id":%s,"usage":%s}',
+            start.attempt, to_json(command_digest), ql3_ai._utc(now()), dedupe_key, event_id,
+            to_json(invocation_id), to_json(start.model), mutation_id, coalesce(to_json(outcome)::text, 'null'),
+            coalesce(output_bytes::text, 'null'), coalesce(to_json(command ->> 'output_digest')::text, 'null'),
+            coalesce(to_json(output_ref)::text, 'null'), to_json(start.project_id), to_json(start.provider),
+            to_json(recovered), coalesce(to_json(result_code)::text, 'null'), run.event_seq, start.run_id,
+            run.version, to_json(start.start_digest), start.step_run_id, step_version + 1, to_json(start.trace_id),
+            CASE WHEN coalesce(usage, 'null'::jsonb) = 'null'::jsonb THEN 'null' ELSE format(
+                '{"cost_micros":%s,"currency":%s,"input_tokens":%s,"output_tokens":%s}',
+                coalesce(cost_micros::text, 'null'), coalesce(to_json(currency)::text, 'null'),
+                coalesce(input_tokens::text, 'null'), coalesce(output_tokens::text, 'null')) END);
+        IF octet_length(canonical) > 24576 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V02',
+                MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
+                                 'completion record', octet_length(canonical));
+        END IF;
+        completion_digest := encode(sha256(
+            convert_to('ql3/model-invocation-completion@v1', 'UTF8') || decode('00', 'hex')
+            || convert_to(canonical, 'UTF8')), 'hex');
+        -- The result parsed once; the stored record is its "completion" (a copy of the bytes).
+        result := format('{"completion":%s,"completion_digest":"%s","status":"created"}', canonical,
+                         completion_digest)::jsonb;
+        receipt := result -> 'completion';
+    ELSE
+        IF usage <> 'null'::jsonb THEN
+            usage := jsonb_build_object('input_tokens', input_tokens, 'output_tokens', output_tokens,
+                                        'cost_micros', cost_micros, 'currency', currency);
+        END IF;
+        receipt := jsonb_build_object(
+            'schema', 'ql3/model-invocation-completion@v1',
+            'invocation_id', invocation_id,
+            'start_digest', start.start_digest,
+            'project_id', start.project_id,
+            'run_id', start.run_id,
+            'step_run_id', start.step_run_id,
+            'trace_id', start.trace_id,
+            'attempt', start.attempt,
+            'provider', start.provider,
+            'model', start.model,
+            'outcome', outcome,
+            'result_code', result_code,
+            'output_bytes', output_bytes,
+            'output_digest', command ->> 'output_digest',
+            'usage', usage,
+            'recovered', recovered,
+            'output_ref', output_ref,
+            'command_digest', command_digest,
+            'step_run_version', step_version + 1,
+            'run_version', run.version,
+            'run_event_seq', run.event_seq,
+            'mutation_id', mutation_id,
+            'event_id', event_id,
+            'dedupe_key', dedupe_key,
+            'completed_at', ql3_ai._utc(now())
+        );
+        completion_digest := ql3_ai._checked_digest(
+            'completion record', 'ql3/model-invocation-completion@v1', receipt);
+        result := jsonb_build_object('status', 'created', 'completion', receipt, 'completion_digest',
+                                     completion_digest);
+    END IF;
 
     INSERT INTO ql3_ai.model_invocation_completions (
         invocation_id, start_digest, project_id, run_id, step_run_id, outcome, result_code, output_bytes,
@@ -665,7 +850,7 @@ BEGIN
         completion_digest, mutation_id, event_id, dedupe_key, completed_at
     ) VALUES (
         invocation_id, start.start_digest, start.project_id, start.run_id, start.step_run_id, outcome,
-        result_code, (command ->> 'output_bytes')::bigint, command ->> 'output_digest', input_tokens,
+        result_code, output_bytes, command ->> 'output_digest', input_tokens,
         output_tokens, cost_micros, currency, recovered, command_digest, receipt, completion_digest,
         mutation_id, event_id, dedupe_key, now()
     );
@@ -693,7 +878,7 @@ BEGIN
         mutation_id, dedupe_key, start.step_run_id, 'running', outcome, step_version, step_version + 1,
         command_digest
     );
-    RETURN jsonb_build_object('status', 'created', 'completion', receipt, 'completion_digest', completion_digest);
+    RETURN result;
 END;
 $$;
 
@@ -715,29 +900,88 @@ DECLARE
     step ql3.step_runs;
     prior ql3_ai.model_invocation_completions;
     ledger ql3_ai.usage_ledger;
+    canonical text;
+    common_shape boolean;
 BEGIN
-    PERFORM ql3_ai._check_shape(
-        'completion command', command, 'ql3/model-invocation-completion-command@v1',
-        ARRAY['schema', 'invocation_id', 'start_digest', 'outcome', 'result_code', 'output_bytes',
-              'output_digest', 'usage'],
-        ARRAY['string', 'string', 'string', 'string', 'string', 'integer?', 'string?', 'object?']);
-    IF jsonb_typeof(usage) = 'object' THEN
+    -- As in admit_invocation: the common shape (exactly the v1 fields and kinds, integers
+    -- as plain digits up to 10^15) gets its canonical text written out; anything else
+    -- takes the original checks, in the original order.
+    common_shape := coalesce(
+        command ?& '{schema,invocation_id,start_digest,outcome,result_code,output_bytes,output_digest,usage}'::text []
+        AND command - '{schema,invocation_id,start_digest,outcome,result_code,output_bytes,output_digest,usage}'::text []
+            = '{}'::jsonb
+        AND jsonb_path_match(
+            command,
+            'strict $.schema == "ql3/model-invocation-completion-command@v1" && $.invocation_id.type() == "string"'
+            ' && $.start_digest.type() == "string" && $.outcome.type() == "string"'
+            ' && $.result_code.type() == "string"'
+            ' && ($.output_bytes.type() == "null" || ($.output_bytes.type() == "number"'
+            ' && $.output_bytes <= 999999999999999))'
+            ' && ($.output_digest.type() == "null" || $.output_digest.type() == "string")'
+            ' && ($.usage.type() == "null" || (($.usage.input_tokens.type() == "null"'
+            ' || ($.usage.input_tokens.type() == "number" && $.usage.input_tokens <= 999999999999999))'
+            ' && ($.usage.output_tokens.type() == "null"'
+            ' || ($.usage.output_tokens.type() == "number" && $.usage.output_tokens <= 999999999999999))'
+            ' && ($.usage.cost_micros.type() == "null"'
+            ' || ($.usage.cost_micros.type() == "number" && $.usage.cost_micros <= 999999999999999))'
+            ' && ($.usage.currency.type() == "null" || $.usage.currency.type() == "string")))',
+            '{}', TRUE)
+        AND translate(coalesce(command ->> 'output_bytes', '') || coalesce(usage ->> 'input_tokens', '')
+                      || coalesce(usage ->> 'output_tokens', '') || coalesce(usage ->> 'cost_micros', ''),
+                      '0123456789', '') = ''
+        AND (usage = 'null'::jsonb
+             OR (usage ?& '{input_tokens,output_tokens,cost_micros,currency}'::text []
+                 AND usage - '{input_tokens,output_tokens,cost_micros,currency}'::text [] = '{}'::jsonb)),
+        FALSE);
+    IF common_shape THEN
+        canonical := format(
+            '{"invocation_id":%s,"outcome":%s,"output_bytes":%s,"output_digest":%s,"result_code":%s,'
+            '"schema":"ql3/model-invocation-completion-command@v1","start_digest":%s,"usage":%s}',
+            command -> 'invocation_id', command -> 'outcome', command -> 'output_bytes', command -> 'output_digest',
+            command -> 'result_code', command -> 'start_digest',
+            CASE WHEN usage = 'null'::jsonb THEN 'null' ELSE format(
+                '{"cost_micros":%s,"currency":%s,"input_tokens":%s,"output_tokens":%s}',
+                usage -> 'cost_micros', usage -> 'currency', usage -> 'input_tokens', usage -> 'output_tokens') END);
+        IF octet_length(canonical) > 24576 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3V02',
+                MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
+                                 'completion command', octet_length(canonical));
+        END IF;
+        command_digest := encode(sha256(
+            convert_to('ql3/model-invocation-completion-command@v1', 'UTF8') || decode('00', 'hex')
+            || convert_to(canonical, 'UTF8')), 'hex');
+    ELSE
         PERFORM ql3_ai._check_shape(
-            'completion command usage', usage, NULL,
-            ARRAY['input_tokens', 'output_tokens', 'cost_micros', 'currency'],
-            ARRAY['integer?', 'integer?', 'integer?', 'string?']);
+            'completion command', command, 'ql3/model-invocation-completion-command@v1',
+            ARRAY['schema', 'invocation_id', 'start_digest', 'outcome', 'result_code', 'output_bytes',
+                  'output_digest', 'usage'],
+            ARRAY['string', 'string', 'string', 'string', 'string', 'integer?', 'string?', 'object?']);
+        IF jsonb_typeof(usage) = 'object' THEN
+            PERFORM ql3_ai._check_shape(
+                'completion command usage', usage, NULL,
+                ARRAY['input_tokens', 'output_tokens', 'cost_micros', 'currency'],
+                ARRAY['integer?', 'integer?', 'integer?', 'string?']);
+        END IF;
+        command_digest := ql3_ai._checked_digest(
+            'completion command', 'ql3/model-invocation-completion-command@v1', command);
     END IF;
-    command_digest := ql3_ai._checked_digest(
-        'completion command', 'ql3/model-invocation-completion-command@v1', command);
-    invocation_id := ql3._check_identifier('invocation_id', command ->> 'invocation_id');
-    PERFORM ql3_ai._check_sha256('start_digest', command ->> 'start_digest');
+    invocation_id := command ->> 'invocation_id';
+    IF NOT coalesce(char_length(invocation_id) BETWEEN 1 AND 128
+                    AND translate(command ->> 'start_digest', '0123456789abcdef', '0000000000000000')
+                        = '0000000000000000000000000000000000000000000000000000000000000000', FALSE) THEN
+        PERFORM ql3._check_identifier('invocation_id', command ->> 'invocation_id');
+        PERFORM ql3_ai._check_sha256('start_digest', command ->> 'start_digest');
+    END IF;
     IF outcome NOT IN ('succeeded', 'failed', 'timed_out', 'lost') THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3V01',
             MESSAGE = format('QL3_INVALID_ARGUMENT: outcome must be succeeded, failed, timed_out or lost, not %L',
                              left(outcome, 64));
     END IF;
-    PERFORM ql3._check_identifier('result_code', result_code);
+    IF NOT coalesce(char_length(result_code) BETWEEN 1 AND 128, FALSE) THEN
+        PERFORM ql3._check_identifier('result_code', result_code);
+    END IF;
     IF translate(result_code, 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-', '') <> ''
        OR translate(left(result_code, 1), 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz', '') <> '' THEN
         RAISE EXCEPTION USING
@@ -756,7 +1000,9 @@ BEGIN
             ERRCODE = 'Q3V01',
             MESSAGE = format('QL3_INVALID_ARGUMENT: result_code %s is reserved for resolutions', result_code);
     END IF;
-    IF command ->> 'output_digest' IS NOT NULL THEN
+    IF command ->> 'output_digest' IS NOT NULL
+       AND NOT coalesce(translate(command ->> 'output_digest', '0123456789abcdef', '0000000000000000')
+                        = '0000000000000000000000000000000000000000000000000000000000000000', FALSE) THEN
         PERFORM ql3_ai._check_sha256('output_digest', command ->> 'output_digest');
     END IF;
     IF usage <> 'null'::jsonb THEN

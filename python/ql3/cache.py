@@ -1,0 +1,773 @@
+"""The worker revision cache (SPEC section 8): Redis invalidates, PostgreSQL decides.
+
+Why it is built this way:
+
+- **Subscribe first, then read.** ``start`` waits for Redis to confirm the subscription
+  before anything is read from the database, so no activation can slip between the read and
+  the subscription. Every later (re)subscription marks all entries unverified: messages
+  published while the subscription was down are gone, so each entry is checked against
+  its active pointer again (one batched ``ql3.active_pointers`` round trip).
+- **Messages are hints ordered by pointer_version.** A message at or below the cached
+  pointer_version is ignored (duplicates, reordering across relays); a newer one drops the
+  entry and reloads it from the database. A load whose snapshot is older than a hint
+  already received is not installed; a load that *started after* the hint arrived and
+  still sees an older pointer means the database does not confirm the hint, and the
+  database wins (a forged or corrupt message cannot lock a contract out).
+- **Monotonic.** An entry is only ever replaced by one whose pointer_version is at least
+  as high, so a worker never serves a revision older than one it has already served or
+  verified, whatever order concurrent loads finish in.
+- **Fallback.** An entry older than its family's max staleness (``ql3.contract_families``)
+  is re-verified before use; a background pass re-verifies entries at half their budget
+  in one round trip, so lost messages are repaired within the budget even for entries
+  nobody is using, and ``on_change`` callbacks fire.
+- **Degraded mode.** When heartbeats stop (relay dead, Redis partitioned, subscription
+  lost) every use verifies against the database first; when they resume the cache goes
+  back to normal after re-verifying every entry.
+- **Fail closed.** No active revision (never activated, or revoked) raises ``NotFound``;
+  a body whose hash does not match ``body_hash`` is refused; an entry that needs
+  verification while the database is unreachable raises ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import psycopg
+import redis.asyncio as aioredis
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from ql3 import canonical, errors
+from ql3.db import translate
+from ql3.relay import (
+    DEFAULT_CHANNEL_PREFIX,
+    HEARTBEAT_NAME,
+    backoff_delay,
+    heartbeat_channel,
+    make_redis,
+    reraise_if_cancelled,
+)
+
+BODY_DOMAIN = "ql3/contract-body@v1"
+DEFAULT_STALENESS = 30.0
+
+log = logging.getLogger("ql3.cache")
+
+Key = tuple[str, str, str]
+Mode = Literal["starting", "normal", "degraded", "closed"]
+ChangeCallback = Callable[["EffectiveRevision"], "Awaitable[None] | None"]
+
+_REDIS_ERRORS: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
+
+_LOAD_SQL = """
+SELECT p.project_id, p.contract_family, p.contract_id, p.pointer_version,
+       p.revision_id AS pointer_revision_id,
+       r.revision_id, r.revision_no, r.body, r.body_hash
+FROM ql3.active_pointers(%s::jsonb) AS p
+LEFT JOIN LATERAL ql3.active_revision(p.project_id, p.contract_family, p.contract_id) AS r
+    ON true
+"""
+
+_VERIFY_SQL = """
+SELECT project_id, contract_family, contract_id, revision_id, pointer_version
+FROM ql3.active_pointers(%s::jsonb)
+"""
+
+
+class BodyHashMismatch(errors.Conflict):
+    """A loaded body does not hash to its stored body_hash: the revision is refused."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EffectiveRevision:
+    """The revision a worker acts under. ``body`` is shared: do not mutate it."""
+
+    project_id: str
+    contract_family: str
+    contract_id: str
+    revision_id: str
+    revision_no: int
+    body: dict[str, Any]
+    body_hash: str
+    pointer_version: int
+    cached_at: datetime
+    verified_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheHealth:
+    mode: Mode
+    subscribed: bool
+    entries: int
+    last_message_at: datetime | None
+    last_heartbeat_at: datetime | None
+    last_verification_at: datetime | None
+    messages: int
+    malformed_messages: int
+    reloads: int
+    verifications: int
+
+
+@dataclass(frozen=True)
+class _Revision:
+    revision_id: str
+    revision_no: int
+    body: dict[str, Any]
+    body_hash: str
+
+
+@dataclass
+class _Entry:
+    """One key's state: its revision (None = none active) at one pointer_version."""
+
+    revision: _Revision | None
+    pointer_version: int
+    cached_wall: float
+    verified_mono: float
+    verified_wall: float
+
+
+def _wall(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC)
+
+
+def _log(level: int, event: str, **fields: Any) -> None:
+    log.log(level, event, extra={"ql3": fields})
+
+
+class RevisionCache:
+    """A worker's local cache of active contract revisions.
+
+    ``async with RevisionCache(dsn, redis_url) as cache: rev = await cache.get_effective(...)``
+
+    ``projects`` limits the subscription to those projects (default: every project, by
+    pattern). ``max_staleness`` overrides the per-family budget from ``contract_families``
+    (seconds; tests shorten it). ``heartbeat_timeout`` is how long without a relay
+    heartbeat before the cache degrades (keep it at several relay heartbeat intervals).
+    ``db_timeout`` bounds the wait for a database connection of the cache's own pool.
+    """
+
+    def __init__(
+        self,
+        conninfo_or_pool: str | AsyncConnectionPool[Any],
+        redis_url: str,
+        *,
+        channel_prefix: str = DEFAULT_CHANNEL_PREFIX,
+        projects: Iterable[str] | None = None,
+        max_staleness: Mapping[str, float] | None = None,
+        heartbeat_timeout: float = 10.0,
+        subscribe_timeout: float = 5.0,
+        redis_timeout: float = 5.0,
+        db_timeout: float = 5.0,
+    ) -> None:
+        if isinstance(conninfo_or_pool, str):
+            self._pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+                conninfo_or_pool,
+                min_size=1,
+                max_size=4,
+                open=False,
+                timeout=db_timeout,
+                check=AsyncConnectionPool.check_connection,
+                kwargs={
+                    "connect_timeout": max(2, math.ceil(db_timeout)),
+                    "application_name": "ql3-cache",
+                },
+            )
+            self._owns_pool = True
+        else:
+            self._pool = conninfo_or_pool
+            self._owns_pool = False
+        self._redis_url = redis_url
+        self._prefix = channel_prefix
+        self._projects = sorted(set(projects)) if projects is not None else None
+        self._overrides = dict(max_staleness or {})
+        self._heartbeat_timeout = heartbeat_timeout
+        self._subscribe_timeout = subscribe_timeout
+        self._redis_timeout = redis_timeout
+        self._heartbeat_channel = heartbeat_channel(channel_prefix)
+
+        self._entries: dict[Key, _Entry] = {}
+        self._known: set[Key] = set()
+        self._hints: dict[Key, tuple[int, int]] = {}  # key -> (pointer_version, tick)
+        self._load_errors: dict[Key, errors.Ql3Error] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._last_revision_id: dict[Key, str | None] = {}
+        self._callbacks: dict[tuple[str, str], list[ChangeCallback]] = {}
+        self._family_staleness: dict[str, float] = {}
+        self._ticks = itertools.count(1)
+
+        self._mode: Mode = "starting"
+        self._subscribed = False
+        self._subscribed_event = asyncio.Event()
+        self._last_message: float | None = None
+        self._last_heartbeat_mono: float | None = None
+        self._last_heartbeat_wall: float | None = None
+        self._last_verification: float | None = None
+        self._messages = 0
+        self._malformed = 0
+        self._reloads = 0
+        self._verifications = 0
+
+        self._reload_queue: set[Key] = set()
+        self._reload_wake = asyncio.Event()
+        self._verify_wake = asyncio.Event()
+        self._redis: aioredis.Redis | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._callback_tasks: set[asyncio.Future[Any]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> RevisionCache:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Subscribe (waiting for Redis to confirm), then read families, then serve."""
+        if self._tasks:
+            return
+        if self._owns_pool:
+            await self._pool.open()
+        self._tasks.append(asyncio.create_task(self._subscription_loop(), name="ql3-cache-sub"))
+        try:
+            await asyncio.wait_for(self._subscribed_event.wait(), self._subscribe_timeout)
+        except TimeoutError:
+            _log(logging.WARNING, "cache_subscribe_timeout", seconds=self._subscribe_timeout)
+        await self._load_families()
+        self._tasks.append(asyncio.create_task(self._reload_loop(), name="ql3-cache-reload"))
+        self._tasks.append(asyncio.create_task(self._verify_loop(), name="ql3-cache-verify"))
+        self._tasks.append(asyncio.create_task(self._watchdog_loop(), name="ql3-cache-watch"))
+        self._set_mode(self._live_mode())
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        for pending in list(self._callback_tasks):
+            pending.cancel()
+        if self._redis is not None:
+            with contextlib.suppress(*_REDIS_ERRORS):
+                await self._redis.aclose()
+            self._redis = None
+        if self._owns_pool:
+            await self._pool.close()
+        self._mode = "closed"
+
+    # -- public API --------------------------------------------------------------------
+
+    async def get_effective(
+        self, project_id: str, contract_family: str, contract_id: str
+    ) -> EffectiveRevision:
+        """The active revision of a contract, verified as the mode requires.
+
+        Raises ``NotFound`` when no revision is active (fail closed after a revoke),
+        ``BodyHashMismatch`` when the stored body does not match its hash, and
+        ``Unavailable`` when a needed verification cannot reach the database.
+        """
+        key = (project_id, contract_family, contract_id)
+        self._known.add(key)
+        since = time.monotonic()
+        for _ in range(5):
+            entry = self._entries.get(key)
+            if entry is not None and self._usable(key, entry, since):
+                return self._effective(key, entry)
+            async with self._lock(key):
+                entry = self._entries.get(key)
+                if entry is not None and self._usable(key, entry, since):
+                    continue
+                if entry is not None and not self._hinted_newer(key, entry):
+                    await self._verify([key])
+                    entry = self._entries.get(key)
+                    if entry is not None and self._usable(key, entry, since):
+                        continue
+                await self._load([key])
+                failure = self._load_errors.pop(key, None)
+                if failure is not None:
+                    raise failure
+        raise errors.Unavailable(
+            f"QL3_UNAVAILABLE: no consistent revision of {'/'.join(key)} could be read"
+        )
+
+    def on_change(self, contract_family: str, contract_id: str, fn: ChangeCallback) -> None:
+        """Call ``fn(revision)`` whenever a different revision of that contract is loaded.
+
+        Fires for every project, including the first load of a key. ``fn`` may be a plain
+        function or a coroutine function; its exceptions are logged and swallowed.
+        """
+        self._callbacks.setdefault((contract_family, contract_id), []).append(fn)
+
+    async def verify_all(self) -> None:
+        """Re-verify every entry now (one round trip) and reload the ones that moved."""
+        keys = list(self._entries)
+        if keys:
+            changed = await self._verify(keys)
+            if changed:
+                await self._load(changed)
+
+    def health(self) -> CacheHealth:
+        mode = self._live_mode() if self._mode not in ("starting", "closed") else self._mode
+        return CacheHealth(
+            mode=mode,
+            subscribed=self._subscribed,
+            entries=len(self._entries),
+            last_message_at=_wall(self._last_message),
+            last_heartbeat_at=_wall(self._last_heartbeat_wall),
+            last_verification_at=_wall(self._last_verification),
+            messages=self._messages,
+            malformed_messages=self._malformed,
+            reloads=self._reloads,
+            verifications=self._verifications,
+        )
+
+    @property
+    def mode(self) -> Mode:
+        return self.health().mode
+
+    # -- freshness ---------------------------------------------------------------------
+
+    def staleness(self, contract_family: str) -> float:
+        """The max staleness budget of a family, in seconds."""
+        if contract_family in self._overrides:
+            return float(self._overrides[contract_family])
+        return self._family_staleness.get(contract_family, DEFAULT_STALENESS)
+
+    def _live_mode(self) -> Mode:
+        if not self._subscribed or self._last_heartbeat_mono is None:
+            return "degraded"
+        if time.monotonic() - self._last_heartbeat_mono > self._heartbeat_timeout:
+            return "degraded"
+        return "normal"
+
+    def _hinted_newer(self, key: Key, entry: _Entry) -> bool:
+        hint = self._hints.get(key)
+        return hint is not None and hint[0] > entry.pointer_version
+
+    def _usable(self, key: Key, entry: _Entry, since: float) -> bool:
+        if self._hinted_newer(key, entry):
+            return False
+        if self._live_mode() != "normal":
+            return entry.verified_mono >= since
+        return time.monotonic() - entry.verified_mono <= self.staleness(key[1])
+
+    def _effective(self, key: Key, entry: _Entry) -> EffectiveRevision:
+        rev = entry.revision
+        if rev is None:
+            raise errors.NotFound(f"QL3_NOT_FOUND: no active revision for {'/'.join(key)}")
+        return EffectiveRevision(
+            project_id=key[0],
+            contract_family=key[1],
+            contract_id=key[2],
+            revision_id=rev.revision_id,
+            revision_no=rev.revision_no,
+            body=rev.body,
+            body_hash=rev.body_hash,
+            pointer_version=entry.pointer_version,
+            cached_at=datetime.fromtimestamp(entry.cached_wall, UTC),
+            verified_at=datetime.fromtimestamp(entry.verified_wall, UTC),
+        )
+
+    def _lock(self, key: Key) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    # -- database ----------------------------------------------------------------------
+
+    async def _query(self, sql: str, keys: Sequence[Key]) -> list[dict[str, Any]]:
+        try:
+            async with self._pool.connection() as conn:
+                async with conn.cursor(row_factory=dict_row) as cur:
+                    await cur.execute(sql, (Jsonb([list(k) for k in keys]),))
+                    rows: list[dict[str, Any]] = await cur.fetchall()
+                return rows
+        except psycopg.Error as exc:
+            reraise_if_cancelled()
+            raise translate(exc) from exc
+        except TimeoutError as exc:  # the pool found no connection in time
+            reraise_if_cancelled()
+            raise errors.Unavailable(f"QL3_UNAVAILABLE: {exc}") from exc
+
+    async def _load_families(self) -> None:
+        try:
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    "SELECT contract_family, max_staleness_seconds FROM ql3.contract_families"
+                )
+                rows = await cur.fetchall()
+        except (psycopg.Error, TimeoutError) as exc:
+            reraise_if_cancelled()
+            _log(logging.WARNING, "cache_families_unavailable", error=str(exc))
+            return
+        self._family_staleness = {str(r[0]): float(r[1]) for r in rows}
+
+    async def _verify(self, keys: Sequence[Key]) -> list[Key]:
+        """Check entries against their active pointers; the keys that moved are dropped."""
+        rows = await self._query(_VERIFY_SQL, keys)
+        now_mono, now_wall = time.monotonic(), time.time()
+        changed: list[Key] = []
+        for row in rows:
+            key = (row["project_id"], row["contract_family"], row["contract_id"])
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            version = int(row["pointer_version"])
+            revision_id = None if row["revision_id"] is None else str(row["revision_id"])
+            current = None if entry.revision is None else entry.revision.revision_id
+            if version == entry.pointer_version and revision_id == current:
+                entry.verified_mono, entry.verified_wall = now_mono, now_wall
+            elif version > entry.pointer_version:
+                # Seen in the database: no load from an older snapshot may undo it.
+                del self._entries[key]
+                self._hints[key] = (version, next(self._ticks))
+                changed.append(key)
+            else:
+                _log(
+                    logging.WARNING,
+                    "cache_database_behind",
+                    key=list(key),
+                    cached=entry.pointer_version,
+                    database=version,
+                )
+        self._verifications += 1
+        self._last_verification = now_wall
+        return changed
+
+    async def _load(self, keys: Sequence[Key]) -> None:
+        """Read the active revisions of keys in one round trip and install what is newer."""
+        for key in keys:
+            self._load_errors.pop(key, None)
+        tick = next(self._ticks)
+        try:
+            rows = await self._query(_LOAD_SQL, keys)
+        except errors.Ql3Error as exc:
+            for key in keys:
+                self._load_errors[key] = exc
+            raise
+        self._reloads += 1
+        for row in rows:
+            key = (row["project_id"], row["contract_family"], row["contract_id"])
+            try:
+                self._install(key, row, tick)
+            except errors.Ql3Error as exc:
+                self._load_errors[key] = exc
+
+    def _install(self, key: Key, row: Mapping[str, Any], tick: int) -> None:
+        version = int(row["pointer_version"])
+        entry = self._entries.get(key)
+        if entry is not None and version < entry.pointer_version:
+            return  # an older snapshot finished late: never go backwards
+        hint = self._hints.get(key)
+        if hint is not None and version < hint[0]:
+            if tick < hint[1]:
+                return  # read before the hint arrived; the reload it scheduled will follow
+            _log(
+                logging.WARNING,
+                "cache_hint_not_confirmed",
+                key=list(key),
+                hinted=hint[0],
+                database=version,
+            )
+        if hint is not None:
+            del self._hints[key]
+        revision: _Revision | None = None
+        if row["revision_id"] is not None:
+            body = row["body"]
+            expected = str(row["body_hash"])
+            actual = canonical.digest(BODY_DOMAIN, body) if isinstance(body, dict) else None
+            if actual != expected:
+                self._entries.pop(key, None)
+                _log(
+                    logging.ERROR,
+                    "cache_body_hash_mismatch",
+                    key=list(key),
+                    revision_id=str(row["revision_id"]),
+                    expected=expected,
+                    actual=actual,
+                )
+                raise BodyHashMismatch(
+                    f"QL3_CONFLICT: revision {row['revision_id']} of {'/'.join(key)} does not "
+                    "match its body_hash; refused"
+                )
+            revision = _Revision(
+                revision_id=str(row["revision_id"]),
+                revision_no=int(row["revision_no"]),
+                body=body,
+                body_hash=expected,
+            )
+        now_mono, now_wall = time.monotonic(), time.time()
+        same = (
+            entry is not None
+            and entry.pointer_version == version
+            and (entry.revision is None) == (revision is None)
+        )
+        if same and entry is not None:
+            entry.verified_mono, entry.verified_wall = now_mono, now_wall
+        else:
+            self._entries[key] = _Entry(
+                revision=revision,
+                pointer_version=version,
+                cached_wall=now_wall,
+                verified_mono=now_mono,
+                verified_wall=now_wall,
+            )
+        self._load_errors.pop(key, None)
+        new_id = None if revision is None else revision.revision_id
+        if self._last_revision_id.get(key, None) != new_id or key not in self._last_revision_id:
+            self._last_revision_id[key] = new_id
+            if revision is not None:
+                _log(
+                    logging.INFO,
+                    "cache_revision_loaded",
+                    key=list(key),
+                    revision_id=new_id,
+                    pointer_version=version,
+                )
+                self._fire(key)
+
+    def _fire(self, key: Key) -> None:
+        callbacks = self._callbacks.get((key[1], key[2]))
+        entry = self._entries.get(key)
+        if not callbacks or entry is None:
+            return
+        revision = self._effective(key, entry)
+        for fn in callbacks:
+            try:
+                result = fn(revision)
+            except Exception:
+                log.exception("on_change callback failed", extra={"ql3": {"key": list(key)}})
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._callback_tasks.add(task)
+                task.add_done_callback(self._callback_done)
+
+    def _callback_done(self, task: asyncio.Future[Any]) -> None:
+        self._callback_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log(logging.ERROR, "cache_callback_failed", error=repr(task.exception()))
+
+    # -- background tasks --------------------------------------------------------------
+
+    def _set_mode(self, mode: Mode) -> None:
+        if mode == self._mode:
+            return
+        previous, self._mode = self._mode, mode
+        _log(
+            logging.WARNING if mode == "degraded" else logging.INFO,
+            "cache_mode",
+            mode=mode,
+            previous=previous,
+        )
+        if previous == "degraded" and mode == "normal":
+            self._mark_all_unverified()
+
+    def _mark_all_unverified(self) -> None:
+        for entry in self._entries.values():
+            entry.verified_mono = -math.inf
+        self._verify_wake.set()
+
+    async def _watchdog_loop(self) -> None:
+        period = max(0.02, min(1.0, self._heartbeat_timeout / 4))
+        while True:
+            reraise_if_cancelled()
+            self._set_mode(self._live_mode())
+            await asyncio.sleep(period)
+
+    def _verify_period(self) -> float:
+        families = {key[1] for key in self._entries} or {"policy_routing"}
+        shortest = min(self.staleness(f) for f in families)
+        return max(0.02, min(5.0, shortest / 4))
+
+    async def _verify_loop(self) -> None:
+        """Keep entries verified at half their budget, so lost messages heal in time."""
+        failures = 0
+        while True:
+            reraise_if_cancelled()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._verify_wake.wait(), self._verify_period())
+            self._verify_wake.clear()
+            now = time.monotonic()
+            due = [
+                key
+                for key, entry in self._entries.items()
+                if now - entry.verified_mono > self.staleness(key[1]) / 2
+            ]
+            if not due:
+                continue
+            try:
+                changed = await self._verify(due)
+                if changed:
+                    await self._load(changed)
+                failures = 0
+            except errors.Ql3Error as exc:
+                reraise_if_cancelled()
+                failures += 1
+                _log(logging.WARNING, "cache_verify_failed", error=str(exc), attempt=failures)
+                await asyncio.sleep(backoff_delay(failures, initial=0.1, cap=5.0))
+
+    async def _reload_loop(self) -> None:
+        """Reload keys invalidated by messages, many per round trip."""
+        while True:
+            reraise_if_cancelled()
+            await self._reload_wake.wait()
+            self._reload_wake.clear()
+            keys, self._reload_queue = sorted(self._reload_queue), set()
+            if not keys:
+                continue
+            try:
+                await self._load(keys)
+            except errors.Ql3Error as exc:
+                reraise_if_cancelled()
+                # Entries stay dropped: a get_effective loads (or fails closed) on demand.
+                _log(logging.WARNING, "cache_reload_failed", error=str(exc), keys=len(keys))
+            for key in keys:
+                self._load_errors.pop(key, None)
+
+    def _patterns(self) -> tuple[list[str], list[str]]:
+        """(patterns, channels) to subscribe to."""
+        if self._projects is None:
+            return [f"{self._prefix}:*"], []
+        channels = [f"{self._prefix}:{p}" for p in self._projects]
+        return [], [*channels, self._heartbeat_channel]
+
+    async def _subscription_loop(self) -> None:
+        failures = 0
+        patterns, channels = self._patterns()
+        expected = len(patterns) + len(channels)
+        while True:
+            reraise_if_cancelled()
+            pubsub = None
+            try:
+                if self._redis is None:
+                    self._redis = make_redis(self._redis_url, timeout=self._redis_timeout)
+                pubsub = self._redis.pubsub()
+                if patterns:
+                    await pubsub.psubscribe(*patterns)
+                if channels:
+                    await pubsub.subscribe(*channels)
+                confirmed = 0
+                while True:
+                    reraise_if_cancelled()
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    kind = message.get("type")
+                    if kind in ("subscribe", "psubscribe"):
+                        confirmed += 1
+                        if confirmed >= expected:
+                            failures = 0
+                            self._on_subscribed()
+                            confirmed = 0  # a reconnect inside redis-py confirms again
+                        continue
+                    if kind in ("message", "pmessage"):
+                        self._on_message(message.get("channel"), message.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except _REDIS_ERRORS as exc:
+                reraise_if_cancelled()
+                failures += 1
+                if self._subscribed or failures == 1:
+                    _log(logging.WARNING, "cache_subscription_lost", error=str(exc))
+                self._subscribed = False
+                self._set_mode(self._live_mode())
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+            await asyncio.sleep(backoff_delay(failures, initial=0.05, cap=2.0))
+
+    def _on_subscribed(self) -> None:
+        first = not self._subscribed_event.is_set()
+        self._subscribed = True
+        self._subscribed_event.set()
+        _log(logging.INFO, "cache_subscribed", first=first, entries=len(self._entries))
+        # Messages published while we were not subscribed are lost: check everything.
+        self._mark_all_unverified()
+
+    # -- messages ----------------------------------------------------------------------
+
+    def _on_message(self, channel: object, data: object) -> None:
+        now = time.time()
+        try:
+            channel_name = channel.decode() if isinstance(channel, bytes) else str(channel)
+            text = data.decode("utf-8") if isinstance(data, bytes) else str(data)
+            doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            if channel_name == self._heartbeat_channel:
+                if doc.get("type") != "heartbeat":
+                    raise ValueError("heartbeat without type heartbeat")
+                self._last_heartbeat_mono = time.monotonic()
+                self._last_heartbeat_wall = now
+                if self._mode == "degraded":
+                    self._set_mode(self._live_mode())
+                return
+            self._on_event(channel_name, doc)
+            self._messages += 1
+            self._last_message = now
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            self._malformed += 1
+            _log(
+                logging.WARNING,
+                "cache_malformed_message",
+                channel=repr(channel)[:200],
+                data=repr(data)[:200],
+                error=str(exc),
+            )
+
+    def _on_event(self, channel: str, doc: Mapping[str, Any]) -> None:
+        project_id = doc["project_id"]
+        family = doc["contract_family"]
+        contract_id = doc["contract_id"]
+        version = doc["pointer_version"]
+        for name, value in (
+            ("project_id", project_id),
+            ("contract_family", family),
+            ("contract_id", contract_id),
+        ):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError("pointer_version must be a non-negative integer")
+        if channel != f"{self._prefix}:{project_id}":
+            raise ValueError(f"project {project_id!r} published on {channel!r}")
+        key = (project_id, family, contract_id)
+        if key not in self._known:
+            return
+        entry = self._entries.get(key)
+        if entry is not None and version <= entry.pointer_version:
+            return  # a duplicate or a late message: the cache already has this or newer
+        hint = self._hints.get(key)
+        if hint is not None and hint[0] >= version:
+            return
+        self._hints[key] = (version, next(self._ticks))
+        self._entries.pop(key, None)
+        self._reload_queue.add(key)
+        self._reload_wake.set()
+
+
+__all__ = [
+    "HEARTBEAT_NAME",
+    "BodyHashMismatch",
+    "CacheHealth",
+    "EffectiveRevision",
+    "RevisionCache",
+]

@@ -1,0 +1,247 @@
+"""``EdgeRevisionCache``: a worker revision cache over an ``EdgeStore`` (SPEC section 8).
+
+``ql3.cache.RevisionCache`` is bound to a PostgreSQL pool and a Redis subscription, so it
+cannot run over the SQLite shim; this is the same contract, cut down to one process:
+
+- **Messages are hints ordered by pointer_version.** The ``EdgeRelay`` subscription
+  delivers each outbox event; one newer than the cached pointer_version drops the entry
+  and reloads it from the store (and fires ``on_change``); older or equal ones are ignored.
+- **Fallback.** An entry older than its family's max staleness is re-verified against the
+  active pointer before use (one ``active_pointers`` call for every stale entry).
+- **Fail closed.** No active revision raises ``NotFound``; a body whose hash does not
+  match ``body_hash`` is refused (``BodyHashMismatch``).
+- **Monotonic.** An entry is only replaced by one with a pointer_version at least as high.
+
+``get_effective`` and ``verify_all`` are coroutines, as ``RevisionCache``'s are, so the
+model gateway (``PolicySource``) and the provider adapter (``TopologySource``) take this
+cache unchanged; ``lookup`` and ``verify`` are their blocking forms (local SQLite reads).
+Once the cache has been used from an event loop, relay messages (which arrive on the
+relay's thread) are handled on that loop, so ``on_change`` callbacks run where the
+gateway and the provider live, as they do with ``RevisionCache``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from ql3 import canonical, errors
+
+if TYPE_CHECKING:
+    from ql3.cache import EffectiveRevision
+    from ql3.edge.relay import EdgeRelay
+    from ql3.edge.store import EdgeStore
+
+log = logging.getLogger("ql3.edge.cache")
+
+Key = tuple[str, str, str]
+ChangeCallback = Callable[["EffectiveRevision"], Any]
+
+BODY_DOMAIN = "ql3/contract-body@v1"
+_PENDING: set[asyncio.Task[None]] = set()
+DEFAULT_STALENESS = 30.0
+
+
+@dataclass
+class _Entry:
+    revision: EffectiveRevision | None
+    pointer_version: int
+    verified_mono: float
+
+
+class EdgeRevisionCache:
+    """Active contract revisions of one process, invalidated by an ``EdgeRelay``."""
+
+    def __init__(
+        self,
+        store: EdgeStore,
+        relay: EdgeRelay | None = None,
+        *,
+        projects: Iterable[str] | None = None,
+        max_staleness: dict[str, float] | None = None,
+    ) -> None:
+        self.store = store
+        self._entries: dict[Key, _Entry] = {}
+        self._callbacks: dict[tuple[str, str], list[ChangeCallback]] = {}
+        self._lock = threading.RLock()
+        self._staleness = store.contract_families()
+        self._staleness.update(max_staleness or {})
+        self.messages = 0
+        self.reloads = 0
+        self.verifications = 0
+        self.last_message_at: datetime | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        if relay is not None:
+            self._unsubscribe = relay.subscribe(self._on_message, projects)
+
+    def close(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def on_change(self, contract_family: str, contract_id: str, fn: ChangeCallback) -> None:
+        """Call ``fn(revision)`` whenever a different revision of that contract is loaded."""
+        self._callbacks.setdefault((contract_family, contract_id), []).append(fn)
+
+    def staleness(self, contract_family: str) -> float:
+        return self._staleness.get(contract_family, DEFAULT_STALENESS)
+
+    async def get_effective(
+        self, project_id: str, contract_family: str, contract_id: str
+    ) -> EffectiveRevision:
+        """The active revision of a contract (``lookup`` for coroutine callers)."""
+        self._loop = asyncio.get_running_loop()
+        return self.lookup(project_id, contract_family, contract_id)
+
+    async def verify_all(self) -> None:
+        """Re-verify every entry now and reload the ones that moved."""
+        self._loop = asyncio.get_running_loop()
+        self.verify()
+
+    def lookup(self, project_id: str, contract_family: str, contract_id: str) -> EffectiveRevision:
+        """The active revision of a contract, verified when older than its family budget."""
+        key = (project_id, contract_family, contract_id)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and time.monotonic() - entry.verified_mono > self.staleness(
+                contract_family
+            ):
+                self.verify([key])
+                entry = self._entries.get(key)
+            if entry is None:
+                entry = self._load(key)
+            if entry.revision is None:
+                raise errors.NotFound(f"QL3_NOT_FOUND: no active revision for {'/'.join(key)}")
+            return entry.revision
+
+    def verify(self, keys: Iterable[Key] | None = None) -> list[Key]:
+        """Check entries against their active pointers in one call; reload the moved ones."""
+        with self._lock:
+            wanted = (
+                list(self._entries) if keys is None else [k for k in keys if k in self._entries]
+            )
+            if not wanted:
+                return []
+            moved: list[Key] = []
+            now = time.monotonic()
+            for row in self.store.active_pointers(wanted):
+                key = (row["project_id"], row["contract_family"], row["contract_id"])
+                entry = self._entries[key]
+                current = None if entry.revision is None else entry.revision.revision_id
+                if (
+                    row["pointer_version"] == entry.pointer_version
+                    and row["revision_id"] == current
+                ):
+                    entry.verified_mono = now
+                elif row["pointer_version"] > entry.pointer_version:
+                    moved.append(key)
+            self.verifications += 1
+            for key in moved:
+                self._load(key)
+            return moved
+
+    def _on_message(self, channel: str, message: dict[str, Any]) -> None:
+        """A relay event: handled on the cache's event loop when it has one."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                loop.call_soon_threadsafe(self._hint, message)
+                return
+        self._hint(message)
+
+    def _hint(self, message: dict[str, Any]) -> None:
+        """A hint, acted on only when newer than what is cached."""
+        self.messages += 1
+        self.last_message_at = datetime.now(UTC)
+        key = (message["project_id"], message["contract_family"], message["contract_id"])
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and int(message["pointer_version"]) > entry.pointer_version:
+                self._load(key)
+
+    def _load(self, key: Key) -> _Entry:
+        from ql3.cache import BodyHashMismatch, EffectiveRevision
+
+        row = self.store.active_revision(*key)
+        now_wall = datetime.now(UTC)
+        if row is None:
+            pointer = self.store.active_pointers([key])[0]
+            loaded = _Entry(None, int(pointer["pointer_version"]), time.monotonic())
+        else:
+            if canonical.digest(BODY_DOMAIN, row["body"]) != row["body_hash"]:
+                raise BodyHashMismatch(
+                    f"QL3_CONFLICT: body of revision {row['revision_id']} does not match its hash"
+                )
+            revision = EffectiveRevision(
+                project_id=key[0],
+                contract_family=key[1],
+                contract_id=key[2],
+                revision_id=row["revision_id"],
+                revision_no=int(row["revision_no"]),
+                body=row["body"],
+                body_hash=row["body_hash"],
+                pointer_version=int(row["pointer_version"]),
+                cached_at=now_wall,
+                verified_at=now_wall,
+            )
+            loaded = _Entry(revision, revision.pointer_version, time.monotonic())
+        self.reloads += 1
+        previous = self._entries.get(key)
+        if previous is not None and previous.pointer_version > loaded.pointer_version:
+            return previous
+        self._entries[key] = loaded
+        changed = previous is None or (
+            (previous.revision and previous.revision.revision_id)
+            != (loaded.revision and loaded.revision.revision_id)
+        )
+        if changed and loaded.revision is not None:
+            for fn in self._callbacks.get((key[1], key[2]), []):
+                self._fire(fn, loaded.revision)
+        return loaded
+
+    @staticmethod
+    def _fire(fn: ChangeCallback, revision: EffectiveRevision) -> None:
+        try:
+            result = fn(revision)
+        except Exception:
+            log.exception("on_change callback failed")
+            return
+        if inspect.isawaitable(result):
+            try:
+                task = asyncio.get_running_loop().create_task(_await(result))
+                _PENDING.add(task)
+                task.add_done_callback(_PENDING.discard)
+            except RuntimeError:  # no loop in this thread (the relay's): nothing can await it
+                if inspect.iscoroutine(result):
+                    result.close()
+                log.warning("a coroutine on_change callback fired outside an event loop")
+
+    def health(self) -> dict[str, Any]:
+        """Counters and mode: ``normal`` while subscribed to a relay, else ``degraded``."""
+        return {
+            "mode": "normal" if self._unsubscribe is not None else "degraded",
+            "entries": len(self._entries),
+            "messages": self.messages,
+            "reloads": self.reloads,
+            "verifications": self.verifications,
+            "last_message_at": self.last_message_at,
+        }
+
+
+async def _await(result: Any) -> None:
+    try:
+        await result
+    except Exception:
+        log.exception("on_change callback failed")

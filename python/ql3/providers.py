@@ -1,0 +1,570 @@
+"""An OpenAI-compatible chat-completions adapter on httpx (Ollama speaks the same API).
+
+Why it is built this way:
+
+- **No retries below the gateway.** The transport is ``httpx.AsyncHTTPTransport(retries=0)``
+  and nothing here repeats a request: a repeated model call can bill twice and answer
+  differently, so only ``ql3.gateway`` decides what happens after a failure (SPEC 9.6).
+- **No timeouts of its own but the connect timeout.** The caller's deadline bounds the
+  call (the gateway wraps every await in ``asyncio.timeout_at``); a read timeout here would
+  turn "the deadline passed" into an unrelated transport error.
+- **Errors say how much is known.** ``ProviderError`` is a definite answer (an HTTP error
+  status with a body, or an error event in a stream); ``ProviderUnreachable`` means the
+  request was never sent (connection refused, connect timeout). Everything else raised
+  here (a dropped connection, a truncated stream, an unparsable 200) means the provider
+  may or may not have run the request: the gateway records it as ``lost``.
+- **Endpoints come from a contract.** ``platform_resource/ollama_topology`` of project
+  ``__platform__`` lists the endpoints and the models each serves (``Topology``). It is read
+  through the revision cache on every call, so a new active revision is used from the
+  next call on, and ``on_change`` retires the HTTP connections of the old topology: calls
+  in flight finish on the old client, which is closed when the last one ends.
+
+The topology body (validated by ``Topology.from_body``)::
+
+    {"endpoints": [{"name": "gpu-a", "base_url": "http://10.0.0.5:11434/v1",
+                    "models": ["qwen2.5:7b", "llama3.1:8b"]}]}
+
+``name`` is 1..128 characters (it is recorded as the invocation's ``provider``),
+``base_url`` is http(s) and ends where ``/chat/completions`` is appended (Ollama: ``/v1``),
+``models`` is a non-empty list of model names. Endpoint names are unique; unknown fields
+are refused, so a typo cannot silently route nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+
+from ql3 import errors
+from ql3.invocations import Usage
+
+TOPOLOGY_PROJECT: Final = "__platform__"
+TOPOLOGY_FAMILY: Final = "platform_resource"
+TOPOLOGY_CONTRACT: Final = "ollama_topology"
+
+MAX_ERROR_BODY: Final = 64 * 1024
+"""Bytes of an error response kept for the exception (the digest covers all of it)."""
+
+log = logging.getLogger("ql3.providers")
+
+
+def _log(level: int, event: str, **fields: Any) -> None:
+    log.log(level, event, extra={"ql3": fields})
+
+
+# -- what the adapter reads through the revision cache ------------------------------------
+
+
+class _Revision(Protocol):
+    @property
+    def project_id(self) -> str: ...
+    @property
+    def revision_id(self) -> str: ...
+    @property
+    def body(self) -> dict[str, Any]: ...
+
+
+class TopologySource(Protocol):
+    """Where the topology comes from: ``ql3.cache.RevisionCache`` satisfies it."""
+
+    async def get_effective(
+        self, project_id: str, contract_family: str, contract_id: str
+    ) -> Any: ...
+
+    def on_change(
+        self, contract_family: str, contract_id: str, fn: Callable[[Any], Awaitable[None] | None]
+    ) -> None: ...
+
+
+def _invalid(reason: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: ollama_topology: {reason}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """One OpenAI-compatible server and the models it serves."""
+
+    name: str
+    base_url: str
+    models: tuple[str, ...]
+
+    @property
+    def chat_url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """The endpoints of one ``ollama_topology`` revision."""
+
+    revision_id: str
+    endpoints: tuple[Endpoint, ...]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], *, revision_id: str) -> Topology:
+        """Validates a topology body; ``InvalidArgument`` names the first problem."""
+        if not isinstance(body, Mapping) or set(body) != {"endpoints"}:
+            raise _invalid('the body must be {"endpoints": [...]} and nothing else')
+        items = body["endpoints"]
+        if not isinstance(items, list) or not items:
+            raise _invalid("endpoints must be a non-empty list")
+        endpoints: list[Endpoint] = []
+        for i, item in enumerate(items):
+            where = f"endpoints[{i}]"
+            if not isinstance(item, Mapping) or set(item) != {"name", "base_url", "models"}:
+                raise _invalid(f"{where} must have exactly name, base_url and models")
+            name, base_url, models = item["name"], item["base_url"], item["models"]
+            if not isinstance(name, str) or not 1 <= len(name) <= 128:
+                raise _invalid(f"{where}.name must be 1..128 characters")
+            if any(e.name == name for e in endpoints):
+                raise _invalid(f"endpoint name {name!r} appears twice")
+            if not isinstance(base_url, str):
+                raise _invalid(f"{where}.base_url must be a string")
+            parts = urlsplit(base_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise _invalid(f"{where}.base_url must be an http(s) URL, not {base_url!r:.80}")
+            if (
+                not isinstance(models, list)
+                or not models
+                or not all(isinstance(m, str) and 1 <= len(m) <= 128 for m in models)
+            ):
+                raise _invalid(f"{where}.models must be a non-empty list of model names")
+            endpoints.append(Endpoint(name=name, base_url=base_url, models=tuple(models)))
+        return cls(revision_id=revision_id, endpoints=tuple(endpoints))
+
+    def endpoint_for(self, model: str, endpoint: str | None = None) -> Endpoint:
+        """The named endpoint, or the first that serves ``model``; ``NotFound`` otherwise."""
+        for candidate in self.endpoints:
+            if endpoint is not None and candidate.name != endpoint:
+                continue
+            if model in candidate.models:
+                return candidate
+        where = f"endpoint {endpoint!r}" if endpoint is not None else "any endpoint"
+        raise errors.NotFound(
+            f"QL3_NOT_FOUND: model {model!r} is not served by {where} of ollama_topology "
+            f"revision {self.revision_id}"
+        )
+
+
+def topology_body(endpoints: Sequence[tuple[str, str, Sequence[str]]]) -> dict[str, Any]:
+    """A topology body from ``(name, base_url, models)`` triples."""
+    return {
+        "endpoints": [
+            {"name": name, "base_url": base_url, "models": list(models)}
+            for name, base_url, models in endpoints
+        ]
+    }
+
+
+# -- what a call returns ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """Where one call goes; ``provider`` (the endpoint name) is recorded at admission."""
+
+    provider: str
+    model: str
+    url: str
+    topology_revision_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProviderResponse:
+    """A complete answer. ``output_bytes``/``output_digest`` cover the response body as
+    received (the JSON document, or the whole SSE stream up to ``[DONE]``)."""
+
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+    output_bytes: int
+    output_digest: str
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """A piece of generated text."""
+
+    text: str
+
+
+StreamEvent = StreamDelta | ProviderResponse
+"""A stream yields deltas, then one ``ProviderResponse`` (its text is the whole answer)."""
+
+
+class ProviderError(Exception):
+    """A definite error answer: the provider did not produce a result for this request.
+
+    ``status`` is the HTTP status (200 for an error event inside a stream); ``body`` the
+    first ``MAX_ERROR_BODY`` bytes of the error body (of the error event in a stream);
+    ``output_bytes``/``output_digest`` cover the whole response body received.
+    """
+
+    def __init__(self, status: int, body: bytes, *, output_bytes: int, output_digest: str):
+        excerpt = body[:200].decode("utf-8", "replace")
+        super().__init__(f"provider answered HTTP {status}: {excerpt}")
+        self.status = status
+        self.body = body
+        self.output_bytes = output_bytes
+        self.output_digest = output_digest
+
+
+class ProviderUnreachable(Exception):
+    """The request was never sent: the connection could not be opened."""
+
+
+class ProviderProtocolError(Exception):
+    """The answer was cut short or malformed: whether the model ran is unknown."""
+
+
+# -- the adapter --------------------------------------------------------------------------
+
+
+def _usage(doc: object) -> Usage | None:
+    """Usage from an OpenAI ``usage`` object; fields that are not counts stay unknown."""
+    if not isinstance(doc, Mapping):
+        return None
+
+    def count(name: str) -> int | None:
+        value = doc.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53 - 1:
+            return value
+        return None
+
+    usage = Usage(input_tokens=count("prompt_tokens"), output_tokens=count("completion_tokens"))
+    return usage if usage.known else None
+
+
+def _first_choice(doc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    choices = doc.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        return choices[0]
+    return None
+
+
+def _parse_completion(raw: bytes) -> tuple[str, str | None, Usage | None]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ProviderProtocolError(f"the response is not JSON: {raw[:200]!r}") from exc
+    if not isinstance(doc, Mapping):
+        raise ProviderProtocolError("the response is not a JSON object")
+    choice = _first_choice(doc)
+    message = None if choice is None else choice.get("message")
+    if not isinstance(message, Mapping):
+        raise ProviderProtocolError("the response has no choices[0].message")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ProviderProtocolError("choices[0].message.content is not a string")
+    assert choice is not None
+    finish = choice.get("finish_reason")
+    return content or "", finish if isinstance(finish, str) else None, _usage(doc.get("usage"))
+
+
+class _Client:
+    """One generation of HTTP connections; closed when retired and no call uses it."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.http = client
+        self.users = 0
+        self.retired = False
+
+
+class OpenAICompatibleProvider:
+    """Chat completions against the endpoints of the ``ollama_topology`` contract.
+
+    ``transport_factory`` replaces the real transport (benchmarks pass
+    ``ql3.stub_provider.instant_transport``); its transport must not retry either.
+    ``trust_env`` is off by default so that proxy variables cannot reroute the calls.
+    """
+
+    def __init__(
+        self,
+        topology: TopologySource,
+        *,
+        connect_timeout: float = 5.0,
+        limits: httpx.Limits | None = None,
+        transport_factory: Callable[[], httpx.AsyncBaseTransport] | None = None,
+        trust_env: bool = False,
+    ) -> None:
+        self._source = topology
+        self._connect_timeout = connect_timeout
+        self._limits = limits or httpx.Limits(max_connections=100, max_keepalive_connections=20)
+        self._transport_factory = transport_factory
+        self._trust_env = trust_env
+        self._current: _Client | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self._parsed: dict[str, Topology] = {}
+        self.resets = 0
+        """How many times the connections were retired (a topology change, or ``reset``)."""
+        topology.on_change(TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT, self._on_topology_change)
+
+    # -- topology -----------------------------------------------------------------------
+
+    async def topology(self) -> Topology:
+        """The active topology, as the revision cache serves it now."""
+        revision = await self._source.get_effective(
+            TOPOLOGY_PROJECT, TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT
+        )
+        revision_id = str(revision.revision_id)
+        parsed = self._parsed.get(revision_id)
+        if parsed is None:
+            parsed = Topology.from_body(revision.body, revision_id=revision_id)
+            self._parsed = {revision_id: parsed}  # keep only the latest
+        return parsed
+
+    async def route(self, model: str, endpoint: str | None = None) -> Route:
+        """Where a call of ``model`` goes (optionally pinned to one endpoint by name)."""
+        topology = await self.topology()
+        chosen = topology.endpoint_for(model, endpoint)
+        return Route(
+            provider=chosen.name,
+            model=model,
+            url=chosen.chat_url,
+            topology_revision_id=topology.revision_id,
+        )
+
+    def _on_topology_change(self, revision: _Revision) -> None:
+        if revision.project_id != TOPOLOGY_PROJECT:
+            return
+        _log(logging.INFO, "provider_topology_changed", revision_id=str(revision.revision_id))
+        self.reset()
+
+    # -- connections --------------------------------------------------------------------
+
+    def _new_client(self) -> _Client:
+        transport = (
+            self._transport_factory()
+            if self._transport_factory is not None
+            else httpx.AsyncHTTPTransport(retries=0, limits=self._limits, trust_env=False)
+        )
+        timeout = httpx.Timeout(connect=self._connect_timeout, read=None, write=None, pool=None)
+        http = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=self._trust_env)
+        return _Client(http)
+
+    def reset(self) -> None:
+        """Retire the current connections: new calls open new ones, calls in flight end
+        on the old client, which is closed after them."""
+        old, self._current = self._current, None
+        self.resets += 1
+        if old is not None:
+            old.retired = True
+            if old.users == 0:
+                self._close_later(old)
+
+    def _close_later(self, client: _Client) -> None:
+        task = asyncio.get_running_loop().create_task(client.http.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _acquire(self) -> _Client:
+        if self._current is None:
+            self._current = self._new_client()
+        client = self._current
+        client.users += 1
+        return client
+
+    def _release(self, client: _Client) -> None:
+        client.users -= 1
+        if client.retired and client.users == 0:
+            self._close_later(client)
+
+    async def aclose(self) -> None:
+        """Close every connection (the adapter can be used again afterwards)."""
+        self.reset()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    # -- requests -----------------------------------------------------------------------
+
+    @staticmethod
+    def encode_request(
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: bool,
+        options: Mapping[str, Any] | None = None,
+    ) -> bytes:
+        """The exact request body sent (and digested): compact UTF-8 JSON.
+
+        ``options`` are further OpenAI parameters (``temperature``, ``max_tokens``...); they
+        may not set ``model``, ``messages``, ``stream`` or ``stream_options``.
+        """
+        extra = dict(options or {})
+        reserved = {"model", "messages", "stream", "stream_options"} & set(extra)
+        if reserved:
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: options may not set {', '.join(sorted(reserved))}"
+            )
+        if isinstance(messages, str | bytes) or not all(isinstance(m, Mapping) for m in messages):
+            raise errors.InvalidArgument("QL3_INVALID_ARGUMENT: messages must be a list of objects")
+        doc: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], **extra}
+        doc["stream"] = stream
+        if stream:
+            doc["stream_options"] = {"include_usage": True}
+        try:
+            text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: the request is not JSON: {exc}"
+            ) from exc
+        return text.encode("utf-8")
+
+    async def complete(self, route: Route, body: bytes) -> ProviderResponse:
+        """One non-streaming call."""
+        client = self._acquire()
+        try:
+            try:
+                response = await client.http.post(route.url, content=body, headers=_HEADERS_JSON)
+            except httpx.ConnectError as exc:  # includes nothing sent on a refused connect
+                raise ProviderUnreachable(f"{route.url}: {exc}") from exc
+            except httpx.ConnectTimeout as exc:
+                raise ProviderUnreachable(f"{route.url}: connect timeout") from exc
+        finally:
+            self._release(client)
+        raw = response.content
+        size, digest = len(raw), hashlib.sha256(raw).hexdigest()
+        _raise_for_status(response.status_code, raw, size, digest)
+        text, finish, usage = _parse_completion(raw)
+        return ProviderResponse(
+            text=text, finish_reason=finish, usage=usage, output_bytes=size, output_digest=digest
+        )
+
+    async def stream(self, route: Route, body: bytes) -> AsyncIterator[StreamEvent]:
+        """One streaming call: ``StreamDelta`` items, then the whole ``ProviderResponse``.
+
+        Asks for ``stream_options.include_usage`` (the request body carries it); a stream
+        that ends without ``data: [DONE]`` raises ``ProviderProtocolError``.
+        """
+        client = self._acquire()
+        try:
+            try:
+                request = client.http.build_request(
+                    "POST", route.url, content=body, headers=_HEADERS_SSE
+                )
+                response = await client.http.send(request, stream=True)
+            except httpx.ConnectError as exc:
+                raise ProviderUnreachable(f"{route.url}: {exc}") from exc
+            except httpx.ConnectTimeout as exc:
+                raise ProviderUnreachable(f"{route.url}: connect timeout") from exc
+            try:
+                async for event in _read_stream(response):
+                    yield event
+            finally:
+                await response.aclose()
+        finally:
+            self._release(client)
+
+
+_HEADERS_JSON: Final = {"content-type": "application/json", "accept": "application/json"}
+_HEADERS_SSE: Final = {"content-type": "application/json", "accept": "text/event-stream"}
+
+_UNKNOWN_STATUSES: Final = frozenset({502, 504})
+"""Answers of an intermediary about the upstream (bad gateway, gateway timeout): the model
+server may have run the request, so they are not a definite failure."""
+
+
+def _raise_for_status(status: int, raw: bytes, size: int, digest: str) -> None:
+    if status < 400:
+        if status != 200:
+            raise ProviderProtocolError(f"unexpected HTTP status {status}")
+        return
+    if not raw or status in _UNKNOWN_STATUSES:
+        raise ProviderProtocolError(f"HTTP {status} without a definite answer ({size} bytes)")
+    raise ProviderError(status, raw[:MAX_ERROR_BODY], output_bytes=size, output_digest=digest)
+
+
+def _sse_events(lines: Iterator[bytes], pending: list[bytes]) -> Iterator[bytes]:
+    """Complete SSE event data from lines; ``pending`` keeps the data lines of the open event."""
+    for line in lines:
+        line = line.rstrip(b"\r")
+        if not line:
+            if pending:
+                yield b"\n".join(pending)
+                pending.clear()
+            continue
+        if line.startswith(b":"):
+            continue  # a comment (keep-alive)
+        field, _, value = line.partition(b":")
+        if field == b"data":
+            pending.append(value[1:] if value.startswith(b" ") else value)
+
+
+async def _read_stream(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+    hasher = hashlib.sha256()
+    size = 0
+    if response.status_code != 200:
+        raw = await response.aread()
+        _raise_for_status(response.status_code, raw, len(raw), hashlib.sha256(raw).hexdigest())
+    buffer = b""
+    pending: list[bytes] = []
+    text: list[str] = []
+    finish: str | None = None
+    usage: Usage | None = None
+    async for chunk in response.aiter_bytes():
+        hasher.update(chunk)
+        size += len(chunk)
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for data in _sse_events(iter(lines), pending):
+            if data.strip() == b"[DONE]":
+                # Whatever follows [DONE] is not part of the answer; the digest covers
+                # the body up to here.
+                yield ProviderResponse(
+                    text="".join(text),
+                    finish_reason=finish,
+                    usage=usage,
+                    output_bytes=size,
+                    output_digest=hasher.hexdigest(),
+                )
+                return
+            try:
+                doc = json.loads(data)
+            except ValueError as exc:
+                raise ProviderProtocolError(f"a stream event is not JSON: {data[:200]!r}") from exc
+            if not isinstance(doc, Mapping):
+                raise ProviderProtocolError("a stream event is not a JSON object")
+            if "error" in doc:  # a definite error event: the body so far is the answer
+                raise ProviderError(
+                    200, data[:MAX_ERROR_BODY], output_bytes=size, output_digest=hasher.hexdigest()
+                )
+            if doc.get("usage") is not None:
+                usage = _usage(doc["usage"]) or usage
+            choice = _first_choice(doc)
+            if choice is None:
+                continue
+            if isinstance(choice.get("finish_reason"), str):
+                finish = choice["finish_reason"]
+            delta = choice.get("delta")
+            content = delta.get("content") if isinstance(delta, Mapping) else None
+            if isinstance(content, str) and content:
+                text.append(content)
+                yield StreamDelta(content)
+    raise ProviderProtocolError("the stream ended without data: [DONE]")
+
+
+__all__ = [
+    "TOPOLOGY_CONTRACT",
+    "TOPOLOGY_FAMILY",
+    "TOPOLOGY_PROJECT",
+    "Endpoint",
+    "OpenAICompatibleProvider",
+    "ProviderError",
+    "ProviderProtocolError",
+    "ProviderResponse",
+    "ProviderUnreachable",
+    "Route",
+    "StreamDelta",
+    "StreamEvent",
+    "Topology",
+    "TopologySource",
+    "topology_body",
+]

@@ -1,0 +1,861 @@
+"""The outbox relay (SPEC section 7): ``ql3.contract_outbox`` rows to Redis pub/sub.
+
+Delivery is at least once. A batch is claimed (``ql3.claim_outbox``, SKIP LOCKED, seq
+order), published, and marked delivered in one transaction, so a relay that dies before
+COMMIT leaves its rows undelivered and unlocked for the next one; several relays can run
+at once and never lose an event (a duplicate is harmless: workers treat messages as hints
+ordered by ``pointer_version``). A dedicated autocommit connection LISTENs on
+``ql3_contract_outbox`` to wake the loop at once; a poll every ``poll_interval`` seconds
+covers notifications lost while disconnected, and every (re)connection starts with a sweep.
+
+The heartbeat on ``<prefix>:__heartbeat__`` is published only while this relay can claim
+from PostgreSQL and publish to Redis, so a worker that stops hearing it knows that its
+invalidation feed cannot be trusted (SPEC section 8, degraded mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import redis.asyncio as aioredis
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from psycopg.rows import DictRow, dict_row
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+NOTIFY_CHANNEL = "ql3_contract_outbox"
+DEFAULT_CHANNEL_PREFIX = "platform:contract:invalidate"
+HEARTBEAT_NAME = "__heartbeat__"
+DEFAULT_METRICS_PORT = 9464
+
+log = logging.getLogger("ql3.relay")
+
+_REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+
+
+def reraise_if_cancelled() -> None:
+    """Raise CancelledError if the current task is being cancelled.
+
+    Called first in every ``except`` of a background loop: redis-py can turn a cancellation
+    into a connection or timeout error, and a loop that swallowed it would never stop.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def project_channel(prefix: str, project_id: str) -> str:
+    """The Redis channel that carries the events of one project."""
+    return f"{prefix}:{project_id}"
+
+
+def heartbeat_channel(prefix: str) -> str:
+    """The Redis channel of relay heartbeats."""
+    return f"{prefix}:{HEARTBEAT_NAME}"
+
+
+def rfc3339(moment: datetime) -> str:
+    """RFC 3339 UTC with exactly six fractional digits (SPEC section 2)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def event_message(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON document published for one outbox row."""
+    old = row["old_revision_id"]
+    return {
+        "seq": int(row["seq"]),
+        "event_id": str(row["event_id"]),
+        "event_type": row["event_type"],
+        "project_id": row["project_id"],
+        "contract_family": row["contract_family"],
+        "contract_id": row["contract_id"],
+        "old_revision_id": None if old is None else str(old),
+        "new_revision_id": str(row["new_revision_id"]),
+        "pointer_version": int(row["pointer_version"]),
+        "created_at": rfc3339(row["created_at"]),
+    }
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def make_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:
+    """A Redis client whose failures surface at once (ql3 does its own backoff).
+
+    Any URL redis-py accepts works: ``redis://:password@host/0``, ``rediss://`` for TLS
+    (``?ssl_ca_certs=...`` or ``?ssl_cert_reqs=none`` in the query string), ``unix://``.
+    """
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=timeout,
+        socket_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
+    return client
+
+
+def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
+    """Capped exponential backoff with jitter: ~initial * 2^(failures-1), at most cap."""
+    base: float = min(cap, initial * (2 ** max(0, min(failures - 1, 30))))
+    return float(base * random.uniform(0.5, 1.0))
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event, then the record's ``ql3`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": rfc3339(datetime.fromtimestamp(record.created, UTC)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        fields = getattr(record, "ql3", None)
+        if isinstance(fields, dict):
+            doc.update(fields)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+def configure_logging(level: str = "info") -> None:
+    """Send every log record to stderr as a JSON line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _log(level: int, event: str, **fields: Any) -> None:
+    log.log(level, event, extra={"ql3": fields})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayConfig:
+    """Everything the relay needs; ``config_from_args`` fills it from flags and environment."""
+
+    dsn: str
+    redis_url: str
+    listen_dsn: str | None = None
+    channel_prefix: str = DEFAULT_CHANNEL_PREFIX
+    batch: int = 500
+    poll_interval: float = 1.0
+    heartbeat_interval: float = 2.0
+    backoff_initial: float = 0.1
+    backoff_max: float = 10.0
+    redis_timeout: float = 5.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    relay_id: str = ""
+    # Test hook: sleep this long after publishing half of a batch (QL3_RELAY_TEST_PAUSE_MID_BATCH).
+    pause_mid_batch: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch <= 10000:
+            raise ValueError("batch must be 1..10000")
+        if self.poll_interval <= 0 or self.heartbeat_interval <= 0:
+            raise ValueError("poll and heartbeat intervals must be positive")
+        if not self.channel_prefix:
+            raise ValueError("channel prefix must not be empty")
+
+
+class RelayMetrics:
+    """The Prometheus series of one relay (own registry, so tests can run several)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.backlog = Gauge("ql3_relay_backlog", "Undelivered outbox rows.", registry=registry)
+        self.oldest_age = Gauge(
+            "ql3_relay_oldest_undelivered_age_seconds",
+            "Age of the oldest undelivered outbox row (0 when none).",
+            registry=registry,
+        )
+        self.max_seq = Gauge(
+            "ql3_relay_outbox_max_seq", "Highest seq in the outbox.", registry=registry
+        )
+        self.delivered_seq = Gauge(
+            "ql3_relay_delivered_seq", "Highest seq this relay has delivered.", registry=registry
+        )
+        self.up = Gauge(
+            "ql3_relay_up", "1 while this relay reaches PostgreSQL and Redis.", registry=registry
+        )
+        self.published = Counter(
+            "ql3_relay_published", "Outbox events published to Redis.", registry=registry
+        )
+        self.failures = Counter(
+            "ql3_relay_failures",
+            "Failed delivery cycles, by the server that failed.",
+            ["target"],
+            registry=registry,
+        )
+        self.reconnects = Counter(
+            "ql3_relay_reconnects",
+            "Reconnections after a lost connection, by server.",
+            ["target"],
+            registry=registry,
+        )
+        self.heartbeats = Counter(
+            "ql3_relay_heartbeats", "Heartbeats published.", registry=registry
+        )
+        for target in ("postgres", "redis"):
+            self.failures.labels(target=target)
+            self.reconnects.labels(target=target)
+
+
+class RedisUnavailable(Exception):
+    """Publishing a batch failed; its rows were marked failed and stay undelivered."""
+
+
+class _ListenerLost(Exception):
+    """The LISTEN connection died."""
+
+
+class Relay:
+    """One relay process's worth of state; ``run`` until ``request_stop``.
+
+    In-process use (tests): ``await relay.start()`` ... ``await relay.stop()``, or
+    ``await relay.run_once()`` for a single claim-publish-mark cycle.
+    """
+
+    def __init__(self, config: RelayConfig, *, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.relay_id = config.relay_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = RelayMetrics(self.registry)
+        self.delivered_seq = 0
+        self.published = 0
+        self.backlog: dict[str, Any] = {}
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._work: psycopg.AsyncConnection[DictRow] | None = None
+        self._listen: psycopg.AsyncConnection[Any] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._listener_error: BaseException | None = None
+        self._redis: aioredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._http: asyncio.Server | None = None
+        self._pg_connected_once = False
+        self._pg_ok = False
+        self._redis_ok = False
+        self._redis_failing = False
+        self._last_cycle_at: float | None = None
+        self._last_backlog_at = 0.0
+        self.metrics_port: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run the relay in a background task of the running loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name=f"ql3-relay-{self.relay_id}")
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until the relay is listening and has swept the outbox once."""
+        ready = asyncio.create_task(self._ready.wait())
+        waiters: set[asyncio.Future[Any]] = {ready}
+        if self._task is not None:
+            waiters.add(self._task)
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if self._task is not None and self._task in done:
+            self._task.result()
+            raise RuntimeError("relay stopped before it was ready")
+        if not self._ready.is_set():
+            raise TimeoutError(f"relay not ready after {timeout}s")
+
+    def request_stop(self) -> None:
+        """Finish the batch in flight, then leave ``run`` (the SIGTERM handler)."""
+        if not self._stop.is_set():
+            _log(logging.INFO, "stop_requested", relay_id=self.relay_id)
+        self._stop.set()
+
+    async def stop(self) -> None:
+        """Request a stop and wait for ``run`` to return (or close what ``run_once`` opened)."""
+        self.request_stop()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._close_connections()
+
+    async def _close_connections(self) -> None:
+        await self._close_pg()
+        if self._redis is not None:
+            with contextlib.suppress(*_REDIS_ERRORS):
+                await self._redis.aclose()
+            self._redis = None
+
+    async def run(self) -> None:
+        """Relay until ``request_stop``: connect, sweep, then wait for NOTIFY or the poll."""
+        _log(
+            logging.INFO,
+            "relay_starting",
+            relay_id=self.relay_id,
+            redis=redact_url(self.config.redis_url),
+            channel_prefix=self.config.channel_prefix,
+            batch=self.config.batch,
+        )
+        await self._open_http()
+        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="ql3-relay-heartbeat")
+        try:
+            await self._main_loop()
+        finally:
+            # Stopped by the flag, not by cancel(): redis-py can swallow a cancellation.
+            self._stop.set()
+            with contextlib.suppress(Exception):
+                await heartbeat
+            await self._close_connections()
+            if self._http is not None:
+                self._http.close()
+                with contextlib.suppress(Exception):
+                    await self._http.wait_closed()
+                self._http = None
+            self.metrics.up.set(0)
+            _log(
+                logging.INFO,
+                "relay_stopped",
+                relay_id=self.relay_id,
+                delivered_seq=self.delivered_seq,
+                published=self.published,
+            )
+
+    async def _main_loop(self) -> None:
+        pg_failures = 0
+        redis_failures = 0
+        while not self._stop.is_set():
+            try:
+                if self._work is None or self._listener_error is not None:
+                    await self._close_pg()
+                    await self._connect_pg()
+                self._wake.clear()
+                await self._drain()
+                pg_failures = redis_failures = 0
+                await self._refresh_backlog()
+                self._ready.set()
+            except psycopg.Error as exc:
+                reraise_if_cancelled()
+                pg_failures += 1
+                self._pg_ok = False
+                self.metrics.up.set(0)
+                self.metrics.failures.labels(target="postgres").inc()
+                _log(
+                    logging.WARNING,
+                    "postgres_failed",
+                    relay_id=self.relay_id,
+                    error=_describe(exc),
+                    attempt=pg_failures,
+                )
+                await self._close_pg()
+                await self._sleep(self._backoff(pg_failures))
+                continue
+            except RedisUnavailable as exc:
+                redis_failures += 1
+                await self._sleep(self._backoff(redis_failures))
+                if redis_failures == 1 or redis_failures % 10 == 0:
+                    _log(
+                        logging.WARNING,
+                        "redis_backoff",
+                        relay_id=self.relay_id,
+                        error=str(exc),
+                        attempt=redis_failures,
+                    )
+                continue
+            await self._wait_for_work()
+
+    def _backoff(self, failures: int) -> float:
+        return backoff_delay(
+            failures, initial=self.config.backoff_initial, cap=self.config.backoff_max
+        )
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once on a stop request."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+    async def _wait_for_work(self) -> None:
+        if self._wake.is_set() or self._stop.is_set():
+            return
+        wake = asyncio.create_task(self._wake.wait())
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait(
+                {wake, stop}, timeout=self.config.poll_interval, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            wake.cancel()
+            stop.cancel()
+
+    async def _drain(self) -> None:
+        """Claim batches until one comes back short (or a stop is requested)."""
+        while not self._stop.is_set():
+            if self._listener_error is not None:
+                raise _as_pg_error(self._listener_error)
+            if await self.run_once() < self.config.batch:
+                return
+
+    # -- connections -------------------------------------------------------------------
+
+    async def _connect_pg(self) -> None:
+        work = await psycopg.AsyncConnection.connect(
+            self.config.dsn,
+            autocommit=True,
+            row_factory=dict_row,
+            connect_timeout=5,
+            application_name="ql3-relay",
+        )
+        try:
+            # A relay wedged mid-batch must not hold its rows for ever.
+            await work.execute("SET idle_in_transaction_session_timeout = '60s'")
+            listen = await psycopg.AsyncConnection.connect(
+                self.config.listen_dsn or self.config.dsn,
+                autocommit=True,
+                connect_timeout=5,
+                application_name="ql3-relay-listen",
+            )
+        except BaseException:
+            await work.close()
+            raise
+        try:
+            await listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except BaseException:
+            await work.close()
+            await listen.close()
+            raise
+        self._work, self._listen = work, listen
+        self._listener_error = None
+        self._listener = asyncio.create_task(self._listen_loop(listen), name="ql3-relay-listen")
+        if self._pg_connected_once:
+            self.metrics.reconnects.labels(target="postgres").inc()
+            _log(logging.INFO, "postgres_reconnected", relay_id=self.relay_id)
+        self._pg_connected_once = True
+        self._pg_ok = True
+        self._wake.set()  # sweep: anything committed while we were away
+
+    async def _listen_loop(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        try:
+            async for _ in conn.notifies():
+                self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._listener_error = exc
+            self._wake.set()
+            return
+        self._listener_error = _ListenerLost("notification stream ended")
+        self._wake.set()
+
+    async def _close_pg(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(BaseException):
+                await self._listener
+            self._listener = None
+        for conn in (self._work, self._listen):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+        self._work = self._listen = None
+
+    def _redis_client(self) -> aioredis.Redis:
+        if self._redis is None:
+            self._redis = make_redis(self.config.redis_url, timeout=self.config.redis_timeout)
+        return self._redis
+
+    # -- one cycle ---------------------------------------------------------------------
+
+    async def run_once(self) -> int:
+        """Claim, publish and mark one batch in one transaction; the number delivered.
+
+        Raises ``RedisUnavailable`` after recording the failure on the rows (committed),
+        and psycopg errors when PostgreSQL fails (nothing committed: rows stay claimable).
+        """
+        if self._work is None:
+            await self._connect_pg()
+        conn = self._work
+        assert conn is not None
+        failure: BaseException | None = None
+        async with conn.transaction():
+            cur = await conn.execute(
+                "SELECT * FROM ql3.claim_outbox(%s::integer)", (self.config.batch,)
+            )
+            rows = await cur.fetchall()
+            if rows:
+                seqs = [int(row["seq"]) for row in rows]
+                try:
+                    await self._publish(rows)
+                except _REDIS_ERRORS as exc:
+                    reraise_if_cancelled()
+                    failure = exc
+                    await conn.execute(
+                        "SELECT ql3.mark_outbox_failed(%s::bigint[], %s::text)",
+                        (seqs, _describe(exc)),
+                    )
+                else:
+                    await conn.execute("SELECT ql3.mark_outbox_delivered(%s::bigint[])", (seqs,))
+        self._last_cycle_at = time.monotonic()
+        self._pg_ok = True
+        if failure is not None:
+            self._redis_ok = False
+            self._redis_failing = True
+            self.metrics.up.set(0)
+            self.metrics.failures.labels(target="redis").inc()
+            raise RedisUnavailable(_describe(failure)) from failure
+        if not rows:
+            self.metrics.up.set(1 if self._redis_ok else 0)
+            return 0
+        if self._redis_failing:
+            self.metrics.reconnects.labels(target="redis").inc()
+            _log(logging.INFO, "redis_recovered", relay_id=self.relay_id)
+        self._redis_failing = False
+        self._redis_ok = True
+        self.metrics.up.set(1)
+        top = max(int(row["seq"]) for row in rows)
+        self.delivered_seq = max(self.delivered_seq, top)
+        self.published += len(rows)
+        self.metrics.published.inc(len(rows))
+        self.metrics.delivered_seq.set(self.delivered_seq)
+        _log(
+            logging.DEBUG,
+            "batch_delivered",
+            relay_id=self.relay_id,
+            events=len(rows),
+            first_seq=int(rows[0]["seq"]),
+            last_seq=int(rows[-1]["seq"]),
+        )
+        return len(rows)
+
+    async def _publish(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        prefix = self.config.channel_prefix
+        messages = [
+            (project_channel(prefix, row["project_id"]), json.dumps(event_message(row)))
+            for row in rows
+        ]
+        pause = self.config.pause_mid_batch
+        if pause > 0 and len(messages) > 1:
+            half = len(messages) // 2
+            await self._publish_many(messages[:half])
+            _log(
+                logging.WARNING,
+                "test_pause_mid_batch",
+                relay_id=self.relay_id,
+                published=half,
+                batch=len(messages),
+                seconds=pause,
+            )
+            await asyncio.sleep(pause)
+            await self._publish_many(messages[half:])
+        else:
+            await self._publish_many(messages)
+
+    async def _publish_many(self, messages: Sequence[tuple[str, str]]) -> None:
+        # One round trip per batch, in seq order on one connection (Redis keeps that order).
+        async with self._redis_client().pipeline(transaction=False) as pipe:
+            for channel, payload in messages:
+                pipe.publish(channel, payload)
+            await pipe.execute()
+
+    async def _refresh_backlog(self) -> None:
+        now = time.monotonic()
+        if self._work is None or now - self._last_backlog_at < self.config.poll_interval:
+            return
+        self._last_backlog_at = now
+        cur = await self._work.execute(
+            "SELECT undelivered, oldest_age_seconds, max_seq FROM ql3.outbox_backlog()"
+        )
+        row = await cur.fetchone()
+        if row is None:
+            return
+        self.backlog = {
+            "undelivered": int(row["undelivered"]),
+            "oldest_age_seconds": float(row["oldest_age_seconds"]),
+            "max_seq": int(row["max_seq"]),
+        }
+        self.metrics.backlog.set(self.backlog["undelivered"])
+        self.metrics.oldest_age.set(self.backlog["oldest_age_seconds"])
+        self.metrics.max_seq.set(self.backlog["max_seq"])
+
+    # -- heartbeat, health, metrics ----------------------------------------------------
+
+    def _cycle_recent(self) -> bool:
+        if self._last_cycle_at is None:
+            return False
+        limit = max(5.0, 3 * self.config.poll_interval)
+        return time.monotonic() - self._last_cycle_at <= limit
+
+    async def _heartbeat_loop(self) -> None:
+        """Until stop: publish a heartbeat every interval while this relay works."""
+        channel = heartbeat_channel(self.config.channel_prefix)
+        warned = False
+        while not self._stop.is_set():
+            reraise_if_cancelled()
+            if self._pg_ok and self._cycle_recent() and not self._redis_failing:
+                payload = {
+                    "type": "heartbeat",
+                    "relay_id": self.relay_id,
+                    "seq": self.delivered_seq,
+                    "at": rfc3339(datetime.now(UTC)),
+                }
+                try:
+                    await self._redis_client().publish(channel, json.dumps(payload))
+                except _REDIS_ERRORS as exc:
+                    reraise_if_cancelled()
+                    self._redis_ok = False
+                    if not warned:
+                        _log(
+                            logging.WARNING,
+                            "heartbeat_failed",
+                            relay_id=self.relay_id,
+                            error=_describe(exc),
+                        )
+                    warned = True
+                else:
+                    self._redis_ok = True
+                    warned = False
+                    self.metrics.heartbeats.inc()
+            await self._sleep(self.config.heartbeat_interval)
+
+    def health(self) -> dict[str, Any]:
+        """What /healthz reports; ``status`` is ``ok`` only when both servers work."""
+        ok = self._pg_ok and self._redis_ok and self._cycle_recent()
+        age = None if self._last_cycle_at is None else time.monotonic() - self._last_cycle_at
+        return {
+            "status": "ok" if ok else "unhealthy",
+            "relay_id": self.relay_id,
+            "postgres": self._pg_ok,
+            "redis": self._redis_ok,
+            "last_cycle_age_seconds": age,
+            "delivered_seq": self.delivered_seq,
+            "published": self.published,
+            "backlog": self.backlog,
+        }
+
+    async def _open_http(self) -> None:
+        if self.config.metrics_port is None or self.config.metrics_port < 0:
+            return
+        self._http = await asyncio.start_server(
+            self._serve_http, self.config.metrics_host, self.config.metrics_port
+        )
+        sockets = self._http.sockets
+        self.metrics_port = int(sockets[0].getsockname()[1]) if sockets else None
+        _log(
+            logging.INFO,
+            "metrics_listening",
+            relay_id=self.relay_id,
+            host=self.config.metrics_host,
+            port=self.metrics_port,
+        )
+
+    async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), timeout=5)
+            while True:
+                line = await asyncio.wait_for(reader.readline(), timeout=5)
+                if line in (b"\r\n", b"\n", b""):
+                    break
+            parts = request.decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"
+            if path == "/metrics":
+                status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+            elif path in ("/healthz", "/health"):
+                report = self.health()
+                status = 200 if report["status"] == "ok" else 503
+                ctype, body = "application/json", json.dumps(report).encode()
+            else:
+                status, ctype, body = 404, "text/plain", b"not found\n"
+            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
+            head = (
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("latin-1") + body)
+            await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, UnicodeDecodeError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _as_pg_error(exc: BaseException) -> psycopg.Error:
+    if isinstance(exc, psycopg.Error):
+        return exc
+    return psycopg.OperationalError(f"LISTEN connection lost: {_describe(exc)}")
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The relay's flags; each falls back to the environment variable named in its help."""
+    a = parser.add_argument
+    a("--dsn", help="PostgreSQL conninfo or URL (env QL3_DSN)")
+    a(
+        "--listen-dsn",
+        help="direct (not pooled) conninfo for LISTEN (env QL3_RELAY_LISTEN_DSN; default: --dsn)",
+    )
+    a("--redis-url", help="redis://[:password@]host:port/db or rediss:// (env QL3_REDIS_URL)")
+    a(
+        "--channel-prefix",
+        help="Redis channel prefix (env QL3_RELAY_CHANNEL_PREFIX; "
+        f"default {DEFAULT_CHANNEL_PREFIX})",
+    )
+    a("--batch", type=int, help="events per claim, 1..10000 (env QL3_RELAY_BATCH; default 500)")
+    a(
+        "--poll-interval",
+        type=float,
+        help="seconds between fallback polls (env QL3_RELAY_POLL_INTERVAL; default 1)",
+    )
+    a(
+        "--heartbeat-interval",
+        type=float,
+        help="seconds between heartbeats (env QL3_RELAY_HEARTBEAT_INTERVAL; default 2)",
+    )
+    a(
+        "--backoff-max",
+        type=float,
+        help="cap of the retry backoff in seconds (env QL3_RELAY_BACKOFF_MAX; default 10)",
+    )
+    a(
+        "--metrics-host",
+        help="address of the /metrics and /healthz server "
+        "(env QL3_RELAY_METRICS_HOST; default 127.0.0.1)",
+    )
+    a(
+        "--metrics-port",
+        type=int,
+        help="port of /metrics and /healthz; 0 = any free port, "
+        f"-1 = off (env QL3_RELAY_METRICS_PORT; default {DEFAULT_METRICS_PORT})",
+    )
+    a("--relay-id", help="name in heartbeats and logs (env QL3_RELAY_ID; default host-pid)")
+    a("--log-level", help="debug, info, warning, error (env QL3_LOG_LEVEL; default info)")
+
+
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> RelayConfig:
+    """Flags win over environment variables, which win over defaults."""
+    env = os.environ if environ is None else environ
+
+    def pick(flag: str, var: str) -> Any:
+        value = getattr(args, flag, None)
+        if value is not None:
+            return value
+        text = env.get(var)
+        return text if text not in (None, "") else None
+
+    dsn = pick("dsn", "QL3_DSN")
+    redis_url = pick("redis_url", "QL3_REDIS_URL")
+    if not dsn:
+        raise ValueError("no database: pass --dsn or set QL3_DSN")
+    if not redis_url:
+        raise ValueError("no Redis: pass --redis-url or set QL3_REDIS_URL")
+
+    def number(flag: str, var: str, default: float, kind: type[int] | type[float]) -> Any:
+        value = pick(flag, var)
+        return default if value is None else kind(value)
+
+    return RelayConfig(
+        dsn=str(dsn),
+        redis_url=str(redis_url),
+        listen_dsn=pick("listen_dsn", "QL3_RELAY_LISTEN_DSN"),
+        channel_prefix=str(
+            pick("channel_prefix", "QL3_RELAY_CHANNEL_PREFIX") or DEFAULT_CHANNEL_PREFIX
+        ),
+        batch=number("batch", "QL3_RELAY_BATCH", 500, int),
+        poll_interval=number("poll_interval", "QL3_RELAY_POLL_INTERVAL", 1.0, float),
+        heartbeat_interval=number("heartbeat_interval", "QL3_RELAY_HEARTBEAT_INTERVAL", 2.0, float),
+        backoff_max=number("backoff_max", "QL3_RELAY_BACKOFF_MAX", 10.0, float),
+        metrics_host=str(pick("metrics_host", "QL3_RELAY_METRICS_HOST") or "127.0.0.1"),
+        metrics_port=number("metrics_port", "QL3_RELAY_METRICS_PORT", DEFAULT_METRICS_PORT, int),
+        relay_id=str(pick("relay_id", "QL3_RELAY_ID") or ""),
+        pause_mid_batch=float(env.get("QL3_RELAY_TEST_PAUSE_MID_BATCH") or 0.0),
+    )
+
+
+async def serve(config: RelayConfig) -> int:
+    """Run one relay until SIGTERM or SIGINT; 0 after a clean drain."""
+    relay = Relay(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, relay.request_stop)
+    await relay.run()
+    return 0
+
+
+def command(args: argparse.Namespace) -> int:
+    """``ql3 relay``: the entry point behind the subcommand."""
+    level = getattr(args, "log_level", None) or os.environ.get("QL3_LOG_LEVEL") or "info"
+    configure_logging(level)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        _log(logging.ERROR, "bad_configuration", error=str(exc))
+        return 2
+    return asyncio.run(serve(config))
+
+
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add the ``relay`` subcommand to ``ql3``'s argparse subparsers (``func`` = command)."""
+    parser = subparsers.add_parser(
+        "relay",
+        help="bridge contract outbox events to Redis pub/sub",
+        description="Relay ql3.contract_outbox events to Redis pub/sub (SPEC section 7).",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ql3.relay``: the same as ``ql3 relay``."""
+    parser = argparse.ArgumentParser(prog="ql3 relay", description=__doc__)
+    add_arguments(parser)
+    return command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,928 @@
+"""Conformance: PostgreSQL (``PgStore``) and the SQLite shim (``EdgeStore``, both journal
+modes) are one store (SPEC sections 10 and 11, River's driver conformance suite).
+
+- The ``store`` fixture runs each scenario against every kind: the same statuses, states,
+  versions, identities, command digests and error codes, every refusal writing nothing.
+- ``test_pinned_clocks_give_byte_identical_records`` builds all three stores in one test,
+  pins their clocks (PostgreSQL: ``ql3._now()``, core 0004) and requires the records and
+  their digests PostgreSQL writes to be exactly those of both SQLite files.
+- Every shared vector (``shared/vectors/*.json``) runs through the store's own paths:
+  ``body_hash`` of ``put_revision``, the shim's command/record digest, and the identities
+  admission, completion and resolution store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import sqlite3
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from fix_servers import role_dsn
+from fix_stores import make_edge_store, pin_clock
+from ql3 import canonical, errors
+from ql3.edge import EdgeStore
+from ql3.edge.checks import checked_digest
+from ql3.invocations import (
+    ADMISSION_SCHEMA,
+    COMPLETION_COMMAND_SCHEMA,
+    RESOLUTION_COMMAND_SCHEMA,
+    format_timestamp,
+)
+from ql3.store import PgStore
+from test_canonical import load_vectors
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILY = "policy_routing"
+R1 = "aaaaaaaa-0000-0000-0000-000000000001"
+R2 = "aaaaaaaa-0000-0000-0000-000000000002"
+TOOL = "bbbbbbbb-0000-0000-0000-0000000000ff"
+R2_STEP = "bbbbbbbb-0000-0000-0000-000000000021"
+FAR = "2999-01-01T00:00:00.000000Z"
+
+Store = Any
+"""A PgStore or an EdgeStore: the tests call only what both offer."""
+
+
+def step(n: int) -> str:
+    return f"bbbbbbbb-0000-0000-0000-{n:012d}"
+
+
+# -- commands, as the pgTAP helpers (tests/sql/lib/invocation_helpers.sql) build them -------
+
+
+def admission(
+    invocation_id: str,
+    run_id: str,
+    step_run_id: str,
+    version: int,
+    *,
+    policy: dict[str, Any] | None = None,
+    deadline_at: str = FAR,
+    project_id: str = "proj",
+    trace_id: str = "trace-1",
+) -> dict[str, Any]:
+    return {
+        "schema": ADMISSION_SCHEMA,
+        "invocation_id": invocation_id,
+        "request_id": "req-" + invocation_id[:100],
+        "project_id": project_id,
+        "run_id": run_id,
+        "step_run_id": step_run_id,
+        "trace_id": trace_id,
+        "expected_step_run_version": version,
+        "provider": "ollama",
+        "model": "llama3.1:8b",
+        "policy": policy,
+        "request_digest": hashlib.sha256(f"prompt of {invocation_id}".encode()).hexdigest(),
+        "input_bytes": 512,
+        "deadline_at": deadline_at,
+    }
+
+
+def usage(
+    input_tokens: float | None, output_tokens: int | None, cost: int | None, currency: str | None
+) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cost_micros": cost,
+        "currency": currency,
+    }
+
+
+@dataclass
+class World:
+    """One store with the fixture of the pgTAP invocation files, and what it returned."""
+
+    store: Store
+    starts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    completions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    revisions: dict[str, str] = field(default_factory=dict)
+
+    def admit(self, command: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.store.admit_invocation(command)
+        self.starts[command["invocation_id"]] = result
+        return result
+
+    def completion(
+        self,
+        invocation_id: str,
+        outcome: str = "succeeded",
+        result_code: str = "ok",
+        usage: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        started = self.starts.get(invocation_id)
+        return {
+            "schema": COMPLETION_COMMAND_SCHEMA,
+            "invocation_id": invocation_id,
+            "start_digest": "0" * 64 if started is None else started["start_digest"],
+            "outcome": outcome,
+            "result_code": result_code,
+            "output_bytes": 2048 if outcome == "succeeded" else None,
+            "output_digest": "c" * 64 if outcome == "succeeded" else None,
+            "usage": usage,
+        }
+
+    def complete(self, command: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.store.complete_invocation(command)
+        self.completions[command["invocation_id"]] = result
+        return result
+
+    def resolution(
+        self, invocation_id: str, decision: str, user_id: str = "alice", reason: str | None = None
+    ) -> dict[str, Any]:
+        done = self.completions.get(invocation_id)
+        started = self.starts.get(invocation_id)
+        version = 1
+        if started is not None:
+            version = self.store.step_run(started["start"]["step_run_id"])["version"]
+        return {
+            "schema": RESOLUTION_COMMAND_SCHEMA,
+            "invocation_id": invocation_id,
+            "completion_digest": "0" * 64 if done is None else done["completion_digest"],
+            "decision": decision,
+            "user_id": user_id,
+            "expected_step_run_version": version,
+            "reason": reason,
+        }
+
+    def policy(self, contract_id: str, name: str) -> dict[str, Any]:
+        return {
+            "contract_family": FAMILY,
+            "contract_id": contract_id,
+            "revision_id": self.revisions[name],
+        }
+
+
+def build_world(store: Store) -> World:
+    """Run R1 (proj/trace-1): S1 running (inv-a1), S2 ready, S3 lost (inv-r3), S4 succeeded
+    with usage (inv-r4), S5 running (inv-r5), S6 failed, S7 timed_out, S8 running under
+    policy revision a (inv-p1), S9 ready; a tool step. Run R2 (proj/trace-2), one step.
+    Policy router: a, then b active; idle: c never active."""
+    world = World(store)
+    store.create_run("proj", "trace-1", R1)
+    store.create_run("proj", "trace-2", R2)
+    for n in range(1, 10):
+        store.add_step_run(R1, "model", step(n))
+    store.add_step_run(R1, "tool", TOOL)
+    store.add_step_run(R2, "model", R2_STEP)
+    for name, contract, body in (("a", "router", {"route": "a"}), ("b", "router", {"route": "b"}),
+                                 ("c", "idle", {"route": "c"})):  # fmt: skip
+        world.revisions[name] = store.put_revision("proj", FAMILY, contract, body, "ops")[
+            "revision_id"
+        ]
+    store.activate_revision("proj", FAMILY, "router", world.revisions["a"], "ops")
+    world.admit(admission("inv-a1", R1, step(1), 1))
+    for n in (3, 4, 5, 6, 7):
+        world.admit(admission(f"inv-r{n}", R1, step(n), 1))
+    world.admit(admission("inv-p1", R1, step(8), 1, policy=world.policy("router", "a")))
+    store.activate_revision("proj", FAMILY, "router", world.revisions["b"], "ops")
+    world.complete(world.completion("inv-r3", "lost", "outcome_unknown"))
+    world.complete(world.completion("inv-r4", usage=usage(100, 20, 1500, "USD")))
+    world.complete(world.completion("inv-r6", "failed", "provider_error"))
+    world.complete(world.completion("inv-r7", "timed_out", "MODEL_DEADLINE_EXCEEDED"))
+    return world
+
+
+# -- footprints: every row count and version a procedure can change -----------------------
+
+_FOOTPRINT = [
+    "SELECT count(*), coalesce(sum(version), 0), coalesce(sum(event_seq), 0) FROM {ql3}runs",
+    "SELECT count(*), coalesce(sum(version), 0) FROM {ql3}step_runs",
+    "SELECT step_run_id, status, attempt_count, current_invocation_id, output_ref, result_code"
+    " FROM {ql3}step_runs ORDER BY step_run_id",
+    "SELECT count(*) FROM {ai}model_invocation_starts",
+    "SELECT count(*) FROM {ai}model_invocation_completions",
+    "SELECT count(*) FROM {ai}model_invocation_resolutions",
+    "SELECT count(*) FROM {ai}usage_ledger",
+    "SELECT count(*) FROM {ql3}run_events",
+    "SELECT count(*) FROM {ql3}step_run_mutations",
+    "SELECT count(*) FROM {ql3}contract_revisions",
+    "SELECT count(*) FROM {ql3}revision_revocations",
+    "SELECT count(*) FROM {ql3}contract_outbox",
+    "SELECT project_id, contract_family, contract_id, active_revision_id, pointer_version,"
+    " last_revision_no FROM {ql3}active_revisions ORDER BY 1, 2, 3",
+]
+
+
+def query(store: Store, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Rows of a read-only query on the store's database, in its own dialect."""
+    if isinstance(store, EdgeStore):
+        with contextlib.closing(sqlite3.connect(store.path)) as conn:
+            rows = conn.execute(sql.format(ql3="", ai=""), params).fetchall()
+        return [tuple(row) for row in rows]
+    with store.pool.connection() as conn:
+        text = sql.format(ql3="ql3.", ai="ql3_ai.").replace("?", "%s")
+        rows = conn.execute(text, params).fetchall()
+        return [tuple(str(v) if isinstance(v, uuid.UUID) else v for v in row) for row in rows]
+
+
+def footprint(store: Store) -> list[list[tuple[Any, ...]]]:
+    return [query(store, sql) for sql in _FOOTPRINT]
+
+
+# -- the refusals: each has the same code on every store and writes nothing ----------------
+
+Case = tuple[str, Callable[[World], Any], str]
+
+
+def _with(command: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**command, **changes}
+
+
+def _without(command: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in command.items() if k != key}
+
+
+def _ok2() -> dict[str, Any]:
+    return admission("inv-v", R1, step(2), 1)
+
+
+ADMISSION_CASES: list[Case] = [
+    ("same id, other content", lambda w: w.store.admit_invocation(
+        _with(admission("inv-a1", R1, step(1), 1), model="other-model")), "QL3_CONFLICT"),
+    ("same id, other step", lambda w: w.store.admit_invocation(
+        admission("inv-a1", R1, step(2), 1)), "QL3_CONFLICT"),
+    ("running step", lambda w: w.store.admit_invocation(
+        admission("inv-a2", R1, step(1), 2)), "QL3_CONFLICT"),
+    ("version drift", lambda w: w.store.admit_invocation(
+        admission("inv-a3", R1, step(2), 2)), "QL3_CONFLICT"),
+    ("unknown run", lambda w: w.store.admit_invocation(
+        admission("inv-a4", "aaaaaaaa-0000-0000-0000-00000000dead", step(2), 1)), "QL3_NOT_FOUND"),
+    ("unknown step", lambda w: w.store.admit_invocation(
+        admission("inv-a4", R1, "bbbbbbbb-0000-0000-0000-00000000dead", 1)), "QL3_NOT_FOUND"),
+    ("step of another run", lambda w: w.store.admit_invocation(
+        admission("inv-a4", R2, step(2), 1, trace_id="trace-2")), "QL3_NOT_FOUND"),
+    ("other project", lambda w: w.store.admit_invocation(
+        admission("inv-a4", R1, step(2), 1, project_id="other")), "QL3_CONFLICT"),
+    ("other trace", lambda w: w.store.admit_invocation(
+        admission("inv-a4", R1, step(2), 1, trace_id="trace-x")), "QL3_CONFLICT"),
+    ("not a model step", lambda w: w.store.admit_invocation(
+        admission("inv-a4", R1, TOOL, 1)), "QL3_INVALID_ARGUMENT"),
+    ("a succeeded step", lambda w: w.store.admit_invocation(
+        admission("inv-r4b", R1, step(4), 3)), "QL3_CONFLICT"),
+    ("a lost step", lambda w: w.store.admit_invocation(
+        admission("inv-r3b", R1, step(3), 3)), "QL3_CONFLICT"),
+    ("other schema", lambda w: w.store.admit_invocation(
+        _with(_ok2(), schema="ql3/model-invocation-admission@v2")), "QL3_INVALID_ARGUMENT"),
+    ("missing field", lambda w: w.store.admit_invocation(
+        _without(_ok2(), "deadline_at")), "QL3_INVALID_ARGUMENT"),
+    ("missing nullable field", lambda w: w.store.admit_invocation(
+        _without(_ok2(), "policy")), "QL3_INVALID_ARGUMENT"),
+    ("unknown field", lambda w: w.store.admit_invocation(
+        _with(_ok2(), prompt="hello")), "QL3_INVALID_ARGUMENT"),
+    ("string integer", lambda w: w.store.admit_invocation(
+        _with(_ok2(), input_bytes="512")), "QL3_INVALID_ARGUMENT"),
+    ("boolean integer", lambda w: w.store.admit_invocation(
+        _with(_ok2(), input_bytes=True)), "QL3_INVALID_ARGUMENT"),
+    ("negative input_bytes", lambda w: w.store.admit_invocation(
+        _with(_ok2(), input_bytes=-1)), "QL3_INVALID_ARGUMENT"),
+    ("fractional input_bytes", lambda w: w.store.admit_invocation(
+        _with(_ok2(), input_bytes=1.5)), "QL3_INVALID_ARGUMENT"),
+    ("integral float input_bytes", lambda w: w.store.admit_invocation(
+        _with(_ok2(), input_bytes=512.0)), "QL3_INVALID_ARGUMENT"),
+    ("number beyond 2^53-1", lambda w: w.store.admit_invocation(
+        _with(_ok2(), input_bytes=2**53)), "QL3_INVALID_ARGUMENT"),
+    ("version 0", lambda w: w.store.admit_invocation(
+        _with(_ok2(), expected_step_run_version=0)), "QL3_INVALID_ARGUMENT"),
+    ("empty invocation_id", lambda w: w.store.admit_invocation(
+        _with(_ok2(), invocation_id="")), "QL3_INVALID_ARGUMENT"),
+    ("129-character invocation_id", lambda w: w.store.admit_invocation(
+        _with(_ok2(), invocation_id="i" * 129)), "QL3_IDENTIFIER_TOO_LONG"),
+    ("129-character request_id", lambda w: w.store.admit_invocation(
+        _with(_ok2(), request_id="r" * 129)), "QL3_IDENTIFIER_TOO_LONG"),
+    ("129-character model", lambda w: w.store.admit_invocation(
+        _with(_ok2(), model="m" * 129)), "QL3_IDENTIFIER_TOO_LONG"),
+    ("command over 24 KiB", lambda w: w.store.admit_invocation(
+        _with(_ok2(), model="m" * 30000)), "QL3_RECORD_TOO_LARGE"),
+    ("uppercase run_id", lambda w: w.store.admit_invocation(
+        _with(_ok2(), run_id=R1.upper())), "QL3_INVALID_ARGUMENT"),
+    ("step_run_id not a uuid", lambda w: w.store.admit_invocation(
+        _with(_ok2(), step_run_id="step-2")), "QL3_INVALID_ARGUMENT"),
+    ("uppercase request_digest", lambda w: w.store.admit_invocation(
+        _with(_ok2(), request_digest=_ok2()["request_digest"].upper())), "QL3_INVALID_ARGUMENT"),
+    ("deadline without fraction", lambda w: w.store.admit_invocation(
+        _with(_ok2(), deadline_at="2030-01-01T00:00:00Z")), "QL3_INVALID_ARGUMENT"),
+    ("deadline not UTC", lambda w: w.store.admit_invocation(
+        _with(_ok2(), deadline_at="2030-01-01T00:00:00.000000+01:00")), "QL3_INVALID_ARGUMENT"),
+    ("deadline on February 30", lambda w: w.store.admit_invocation(
+        _with(_ok2(), deadline_at="2030-02-30T00:00:00.000000Z")), "QL3_INVALID_ARGUMENT"),
+    ("policy without contract and revision", lambda w: w.store.admit_invocation(
+        _with(_ok2(), policy={"contract_family": FAMILY})), "QL3_INVALID_ARGUMENT"),
+    ("policy not an object", lambda w: w.store.admit_invocation(
+        _with(_ok2(), policy="router")), "QL3_INVALID_ARGUMENT"),
+    ("policy of an unknown family", lambda w: w.store.admit_invocation(
+        _with(_ok2(), policy={"contract_family": "no_such_family", "contract_id": "router",
+                              "revision_id": "00000000-0000-0000-0000-000000000000"})),
+     "QL3_INVALID_ARGUMENT"),
+    ("stale policy revision", lambda w: w.store.admit_invocation(
+        admission("inv-p2", R1, step(9), 1, policy=w.policy("router", "a"))),
+     "QL3_STALE_REVISION"),
+    ("policy of a contract with none active", lambda w: w.store.admit_invocation(
+        admission("inv-p3", R1, step(9), 1, policy=w.policy("idle", "c"))), "QL3_STALE_REVISION"),
+    ("policy revision of another contract", lambda w: w.store.admit_invocation(
+        admission("inv-p3", R1, step(9), 1, policy=w.policy("router", "c"))),
+     "QL3_STALE_REVISION"),
+]  # fmt: skip
+
+COMPLETION_CASES: list[Case] = [
+    ("replay with another outcome", lambda w: w.store.complete_invocation(
+        w.completion("inv-r4", "failed", "provider_error")), "QL3_CONFLICT"),
+    ("replay with other usage", lambda w: w.store.complete_invocation(
+        w.completion("inv-r4", usage=usage(100, 21, 1500, "USD"))), "QL3_CONFLICT"),
+    ("unknown outcome", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", "cancelled", "ok")), "QL3_INVALID_ARGUMENT"),
+    ("lost without outcome_unknown", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", "lost", "provider_error")), "QL3_INVALID_ARGUMENT"),
+    ("outcome_unknown without lost", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", "failed", "outcome_unknown")), "QL3_INVALID_ARGUMENT"),
+    ("reserved result_code", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", "failed", "model_outcome_rejected")), "QL3_INVALID_ARGUMENT"),
+    ("a message as result_code", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", "failed", "rate limited: try later")), "QL3_INVALID_ARGUMENT"),
+    ("129-character result_code", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", "failed", "e" * 129)), "QL3_IDENTIFIER_TOO_LONG"),
+    ("cost without currency", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage=usage(1, 2, 3, None))), "QL3_INVALID_ARGUMENT"),
+    ("lowercase currency", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage=usage(1, 2, 3, "usd"))), "QL3_INVALID_ARGUMENT"),
+    ("negative tokens", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage=usage(-1, 2, 3, "USD"))), "QL3_INVALID_ARGUMENT"),
+    ("fractional tokens", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage=usage(1.5, 2, 3, "USD"))), "QL3_INVALID_ARGUMENT"),
+    ("integral float tokens", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage=usage(1.0, 2, 3, "USD"))), "QL3_INVALID_ARGUMENT"),
+    ("unknown usage field", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage={**usage(1, 2, 3, "USD"), "prompt_tokens": 1})),
+     "QL3_INVALID_ARGUMENT"),
+    ("partial usage", lambda w: w.store.complete_invocation(
+        w.completion("inv-r5", usage={"input_tokens": 1})), "QL3_INVALID_ARGUMENT"),
+    ("missing usage", lambda w: w.store.complete_invocation(
+        _without(w.completion("inv-r5"), "usage")), "QL3_INVALID_ARGUMENT"),
+    ("unknown field", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), output="the answer")), "QL3_INVALID_ARGUMENT"),
+    ("another command's schema", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), schema=ADMISSION_SCHEMA)), "QL3_INVALID_ARGUMENT"),
+    ("malformed output_digest", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), output_digest="xyz")), "QL3_INVALID_ARGUMENT"),
+    ("string output_bytes", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), output_bytes="2048")), "QL3_INVALID_ARGUMENT"),
+    ("malformed start_digest", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), start_digest="abc")), "QL3_INVALID_ARGUMENT"),
+    ("command over 24 KiB", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), output_digest="f" * 30000)), "QL3_RECORD_TOO_LARGE"),
+    ("other start_digest", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), start_digest="0" * 64)), "QL3_CONFLICT"),
+    ("never admitted", lambda w: w.store.complete_invocation(
+        w.completion("inv-never")), "QL3_NOT_FOUND"),
+    ("empty invocation_id", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), invocation_id="")), "QL3_INVALID_ARGUMENT"),
+]  # fmt: skip
+
+RESOLUTION_CASES: list[Case] = [
+    ("other completion_digest", lambda w: w.store.resolve_invocation(
+        _with(w.resolution("inv-r3", "retry"), completion_digest="0" * 64)), "QL3_CONFLICT"),
+    ("version drift", lambda w: w.store.resolve_invocation(
+        _with(w.resolution("inv-r3", "retry"), expected_step_run_version=2)), "QL3_CONFLICT"),
+    ("unknown decision", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r3", "approve")), "QL3_INVALID_ARGUMENT"),
+    ("empty user_id", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r3", "retry", "")), "QL3_INVALID_ARGUMENT"),
+    ("129-character user_id", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r3", "retry", "u" * 129)), "QL3_IDENTIFIER_TOO_LONG"),
+    ("empty reason", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r3", "retry", "alice", "")), "QL3_INVALID_ARGUMENT"),
+    ("command over 24 KiB", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r3", "retry", "alice", "why " * 7000)), "QL3_RECORD_TOO_LARGE"),
+    ("missing reason", lambda w: w.store.resolve_invocation(
+        _without(w.resolution("inv-r3", "retry"), "reason")), "QL3_INVALID_ARGUMENT"),
+    ("unknown field", lambda w: w.store.resolve_invocation(
+        _with(w.resolution("inv-r3", "retry"), force=True)), "QL3_INVALID_ARGUMENT"),
+    ("string version", lambda w: w.store.resolve_invocation(
+        _with(w.resolution("inv-r3", "retry"), expected_step_run_version="3")),
+     "QL3_INVALID_ARGUMENT"),
+    ("record schema name", lambda w: w.store.resolve_invocation(
+        _with(w.resolution("inv-r3", "retry"), schema="ql3/model-invocation-resolution@v1")),
+     "QL3_INVALID_ARGUMENT"),
+    ("a succeeded invocation", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r4", "retry")), "QL3_ILLEGAL_TRANSITION"),
+    ("a running invocation", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r5", "cancel")), "QL3_ILLEGAL_TRANSITION"),
+    ("a failed invocation", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r6", "retry")), "QL3_ILLEGAL_TRANSITION"),
+    ("a timed_out invocation", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-r7", "retry")), "QL3_ILLEGAL_TRANSITION"),
+    ("never admitted", lambda w: w.store.resolve_invocation(
+        w.resolution("inv-never", "retry")), "QL3_NOT_FOUND"),
+]  # fmt: skip
+
+OTHER_CASES: list[Case] = [
+    ("recovery limit 0", lambda w: w.store.recover_expired(0, 0), "QL3_INVALID_ARGUMENT"),
+    ("recovery limit 10001", lambda w: w.store.recover_expired(10001, 0), "QL3_INVALID_ARGUMENT"),
+    ("recovery negative grace", lambda w: w.store.recover_expired(10, -1.0),
+     "QL3_INVALID_ARGUMENT"),
+    ("usage of an empty project", lambda w: w.store.usage_summary(""), "QL3_INVALID_ARGUMENT"),
+    ("usage of a 129-character project", lambda w: w.store.usage_summary("p" * 129),
+     "QL3_IDENTIFIER_TOO_LONG"),
+    ("usage from after to", lambda w: w.store.usage_summary(
+        "proj", datetime(2030, 1, 2, tzinfo=UTC), datetime(2030, 1, 1, tzinfo=UTC)),
+     "QL3_INVALID_ARGUMENT"),
+    ("run with other content", lambda w: w.store.create_run("proj", "trace-9", R1),
+     "QL3_CONFLICT"),
+    ("run with a 129-character trace", lambda w: w.store.create_run("proj", "t" * 129),
+     "QL3_IDENTIFIER_TOO_LONG"),
+    ("step of an unknown run", lambda w: w.store.add_step_run(
+        "aaaaaaaa-0000-0000-0000-00000000dead", "model"), "QL3_NOT_FOUND"),
+    ("step of a bad kind", lambda w: w.store.add_step_run(R1, "Model"), "QL3_INVALID_ARGUMENT"),
+    ("step with other content", lambda w: w.store.add_step_run(R1, "tool", step(1)),
+     "QL3_CONFLICT"),
+    ("run id that is not a uuid", lambda w: w.store.create_run("proj", "t", "run-1"),
+     "QL3_INVALID_ARGUMENT"),
+    ("put under an unknown family", lambda w: w.store.put_revision(
+        "proj", "no_such_family", "c", {}, "ops"), "QL3_INVALID_ARGUMENT"),
+    ("put an array body", lambda w: w.store.put_revision(
+        "proj", FAMILY, "c", [{"model": "m1"}], "ops"), "QL3_INVALID_ARGUMENT"),
+    ("put a null body", lambda w: w.store.put_revision("proj", FAMILY, "c", None, "ops"),
+     "QL3_INVALID_ARGUMENT"),
+    ("put a body number of 2^53", lambda w: w.store.put_revision(
+        "proj", FAMILY, "c", {"n": 2**53}, "ops"), "QL3_INVALID_ARGUMENT"),
+    ("put a body of 24577 bytes", lambda w: w.store.put_revision(
+        "proj", FAMILY, "c", {"a": "x" * 24569}, "ops"), "QL3_RECORD_TOO_LARGE"),
+    ("put with a 129-character project", lambda w: w.store.put_revision(
+        "p" * 129, FAMILY, "c", {}, "ops"), "QL3_IDENTIFIER_TOO_LONG"),
+    ("put with an empty actor", lambda w: w.store.put_revision("proj", FAMILY, "c", {}, ""),
+     "QL3_INVALID_ARGUMENT"),
+    ("activate with a stale expectation", lambda w: w.store.activate_revision(
+        "proj", FAMILY, "router", w.revisions["a"], "ops", w.revisions["a"]), "QL3_CONFLICT"),
+    ("activate a revision of another contract", lambda w: w.store.activate_revision(
+        "proj", FAMILY, "router", w.revisions["c"], "ops"), "QL3_INVALID_ARGUMENT"),
+    ("activate an unknown revision", lambda w: w.store.activate_revision(
+        "proj", FAMILY, "router", "00000000-0000-0000-0000-000000000000", "ops"),
+     "QL3_NOT_FOUND"),
+    ("activate a malformed revision id", lambda w: w.store.activate_revision(
+        "proj", FAMILY, "router", "rev-1", "ops"), "QL3_INVALID_ARGUMENT"),
+    ("revoke with an empty reason", lambda w: w.store.revoke_revision(
+        w.revisions["a"], "ops", ""), "QL3_INVALID_ARGUMENT"),
+    ("revoke an unknown revision", lambda w: w.store.revoke_revision(
+        "00000000-0000-0000-0000-000000000000", "ops", "x"), "QL3_NOT_FOUND"),
+    ("pointers of a malformed key", lambda w: w.store.active_pointers([("proj", FAMILY)]),
+     "QL3_INVALID_ARGUMENT"),
+]  # fmt: skip
+
+ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES
+
+
+def test_every_refusal_has_the_same_code_and_writes_nothing(store: Store) -> None:
+    world = build_world(store)
+    wrong: list[str] = []
+    for name, call, code in ALL_CASES:
+        before = footprint(store)
+        try:
+            call(world)
+        except errors.Ql3Error as exc:
+            got = exc.code
+        else:
+            got = "no error"
+        if got != code:
+            wrong.append(f"{name}: {got}, expected {code}")
+        elif footprint(store) != before:
+            wrong.append(f"{name}: refused with {code} but wrote something")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_stale_revision_detail_names_the_active_revision(store: Store) -> None:
+    world = build_world(store)
+    with pytest.raises(errors.StaleRevision) as stale:
+        world.store.admit_invocation(
+            admission("inv-p2", R1, step(9), 1, policy=world.policy("router", "a"))
+        )
+    assert stale.value.detail == world.revisions["b"]
+    with pytest.raises(errors.StaleRevision) as none_active:
+        world.store.admit_invocation(
+            admission("inv-p3", R1, step(9), 1, policy=world.policy("idle", "c"))
+        )
+    assert none_active.value.detail in ("", None)
+
+
+def test_the_fixture_world_has_the_same_states_everywhere(store: Store) -> None:
+    world = build_world(store)
+    states = {n: store.step_run(step(n)) for n in range(1, 10)}
+    assert {n: (s["status"], s["version"], s["attempt_count"], s["current_invocation_id"],
+                s["output_ref"], s["result_code"]) for n, s in states.items()} == {
+        1: ("running", 2, 1, "inv-a1", None, None),
+        2: ("ready", 1, 0, None, None, None),
+        3: ("lost", 3, 1, "inv-r3", None, "outcome_unknown"),
+        4: ("succeeded", 3, 1, "inv-r4", "model-invocation:inv-r4", "ok"),
+        5: ("running", 2, 1, "inv-r5", None, None),
+        6: ("failed", 3, 1, "inv-r6", None, "provider_error"),
+        7: ("timed_out", 3, 1, "inv-r7", None, "MODEL_DEADLINE_EXCEEDED"),
+        8: ("running", 2, 1, "inv-p1", None, None),
+        9: ("ready", 1, 0, None, None, None),
+    }  # fmt: skip
+    run = store.run(R1)
+    assert (run["version"], run["event_seq"], run["status"]) == (12, 11, "open")
+    assert [row[0] for row in query(store, "SELECT seq FROM {ql3}run_events WHERE run_id = ?"
+                                    " ORDER BY seq", (R1,))] == list(range(1, 12))  # fmt: skip
+    assert store.active_pointers([("proj", FAMILY, "router"), ("proj", FAMILY, "idle")]) == [
+        {"project_id": "proj", "contract_family": FAMILY, "contract_id": "router",
+         "revision_id": world.revisions["b"], "pointer_version": 2},
+        {"project_id": "proj", "contract_family": FAMILY, "contract_id": "idle",
+         "revision_id": None, "pointer_version": 0},
+    ]  # fmt: skip
+
+
+def test_receipts_bind_the_same_digests_identities_and_versions(store: Store) -> None:
+    world = build_world(store)
+    command = admission("inv-x", R1, step(2), 1)
+    admitted = world.admit(command)
+    start = admitted["start"]
+    assert admitted["status"] == "created"
+    assert start["command_digest"] == canonical.digest(ADMISSION_SCHEMA, command)
+    assert admitted["start_digest"] == canonical.digest(start["schema"], start)
+    assert (start["mutation_id"], start["event_id"], start["dedupe_key"]) == (
+        canonical.mutation_id("inv-x", "admission"),
+        canonical.event_id("inv-x", "admission"),
+        canonical.dedupe_key("inv-x", "admission"),
+    )
+    assert (start["attempt"], start["step_run_version"], start["run_version"],
+            start["run_event_seq"]) == (1, 2, 13, 12)  # fmt: skip
+    assert world.store.admit_invocation(command) == {**admitted, "status": "existing"}
+
+    lost = world.completion("inv-x", "lost", "outcome_unknown")
+    done = world.complete(lost)
+    record = done["completion"]
+    assert record["command_digest"] == canonical.digest(COMPLETION_COMMAND_SCHEMA, lost)
+    assert done["completion_digest"] == canonical.digest(record["schema"], record)
+    assert (record["step_run_version"], record["run_version"], record["run_event_seq"],
+            record["recovered"], record["output_ref"], record["usage"]) == (
+        3, 14, 13, False, None, None)  # fmt: skip
+    assert world.store.complete_invocation(lost) == {**done, "status": "existing"}
+
+    retry = world.resolution("inv-x", "retry", "alice", "provider says it never ran")
+    resolved = world.store.resolve_invocation(retry)
+    resolution = resolved["resolution"]
+    assert resolution["command_digest"] == canonical.digest(RESOLUTION_COMMAND_SCHEMA, retry)
+    assert resolved["resolution_digest"] == canonical.digest(resolution["schema"], resolution)
+    assert (resolution["to_status"], resolution["result_code"], resolution["step_run_version"],
+            resolution["attempt"]) == ("ready", None, 4, 1)  # fmt: skip
+    assert world.store.resolve_invocation(retry)["status"] == "existing"
+    with pytest.raises(errors.Conflict):
+        world.store.resolve_invocation({**retry, "decision": "fail"})
+
+    again = world.admit(admission("inv-x2", R1, step(2), 4))
+    assert (again["start"]["attempt"], again["start"]["step_run_version"]) == (2, 5)
+    paid = world.complete(world.completion("inv-x2", usage=usage(7, 8, None, None)))
+    assert paid["completion"]["usage"] == usage(7, 8, None, None)
+    assert world.store.step_run(step(2))["attempt_count"] == 2
+    summary = world.store.usage_summary("proj")
+    assert summary == [
+        {"provider": "ollama", "model": "llama3.1:8b", "currency": "USD", "completions": 1,
+         "input_tokens": 100, "output_tokens": 20, "known_cost_micros": 1500,
+         "known_cost_completions": 1, "unknown_cost_completions": 0},
+        {"provider": "ollama", "model": "llama3.1:8b", "currency": None, "completions": 1,
+         "input_tokens": 7, "output_tokens": 8, "known_cost_micros": None,
+         "known_cost_completions": 0, "unknown_cost_completions": 1},
+    ]  # fmt: skip
+
+
+def test_recovery_settles_the_same_starts_in_the_same_order(store: Store) -> None:
+    store.create_run("proj", "trace-1", R1)
+    deadlines = {1: "2000-01-01T00:00:00.000000Z", 2: FAR, 3: "2000-06-01T00:00:00.000000Z",
+                 5: "2001-01-01T00:00:00.000000Z", 6: "2002-01-01T00:00:00.000000Z"}  # fmt: skip
+    starts: dict[int, dict[str, Any]] = {}
+    for n, deadline in deadlines.items():
+        store.add_step_run(R1, "model", step(n))
+        starts[n] = store.admit_invocation(
+            admission(f"inv-e{n}", R1, step(n), 1, deadline_at=deadline)
+        )
+    world = World(store, starts={f"inv-e{n}": s for n, s in starts.items()})
+    store.complete_invocation(world.completion("inv-e3"))
+
+    first = store.recover_expired(1, 0)
+    assert first["count"] == 1
+    assert {k: v for k, v in first["recovered"][0].items() if k != "completion_digest"} == {
+        "invocation_id": "inv-e1", "run_id": R1, "step_run_id": step(1),
+        "deadline_at": "2000-01-01T00:00:00.000000Z",
+    }  # fmt: skip
+    rest = store.recover_expired(10, 3600)
+    assert [r["invocation_id"] for r in rest["recovered"]] == ["inv-e5", "inv-e6"]
+    assert store.recover_expired(10, 0) == {"count": 0, "recovered": []}
+    lost = world.completion("inv-e1", "lost", "outcome_unknown")
+    assert store.complete_invocation(lost)["status"] == "existing"
+    with pytest.raises(errors.Conflict):
+        store.complete_invocation(world.completion("inv-e1"))
+    assert [store.step_run(step(n))["status"] for n in deadlines] == [
+        "lost",
+        "running",
+        "succeeded",
+        "lost",
+        "lost",
+    ]
+
+
+def test_contract_lifecycle_gives_the_same_versions_and_events(store: Store) -> None:
+    r1 = store.put_revision("p", FAMILY, "c", {"model": "m1", "n": 1}, "alice")
+    assert store.put_revision("p", FAMILY, "c", {"n": 1.0, "model": "m1"}, "bob") == r1
+    r2 = store.put_revision("p", FAMILY, "c", {"model": "m2"}, "alice")
+    assert (r1["revision_no"], r2["revision_no"]) == (1, 2)
+    assert r1["body_hash"] == "ade9d26ad4dc3fe97f268265f454a71745013e9505ed0aec4befe730e4eed1bd"
+    shape = ("event_type", "old_revision_id", "new_revision_id", "pointer_version",
+             "delivered_at", "relay_attempts", "last_error")  # fmt: skip
+
+    def event(row: dict[str, Any] | None) -> tuple[Any, ...] | None:
+        return None if row is None else tuple(row[k] for k in shape)
+
+    a1 = store.activate_revision("p", FAMILY, "c", r1["revision_id"], "alice")
+    assert event(a1) == ("revision_activated", None, r1["revision_id"], 1, None, 0, None)
+    assert store.activate_revision("p", FAMILY, "c", r1["revision_id"], "carol") is None
+    with pytest.raises(errors.Conflict) as cas:
+        store.activate_revision("p", FAMILY, "c", r2["revision_id"], "bob", r2["revision_id"])
+    assert cas.value.detail == r1["revision_id"]
+    a2 = store.activate_revision("p", FAMILY, "c", r2["revision_id"], "bob", r1["revision_id"])
+    assert event(a2) == ("revision_activated", r1["revision_id"], r2["revision_id"], 2, None, 0,
+                         None)  # fmt: skip
+    v2 = store.revoke_revision(r2["revision_id"], "carol", "bad routing")
+    assert event(v2) == ("revision_revoked", r2["revision_id"], r2["revision_id"], 3, None, 0,
+                         None)  # fmt: skip
+    assert store.revoke_revision(r2["revision_id"], "dave", "again") is None
+    assert store.active_revision("p", FAMILY, "c") is None
+    with pytest.raises(errors.RevisionRevoked):
+        store.activate_revision("p", FAMILY, "c", r2["revision_id"], "bob")
+    v1 = store.revoke_revision(r1["revision_id"], "carol", "obsolete")
+    assert event(v1) == ("revision_revoked", None, r1["revision_id"], 3, None, 0, None)
+    assert a1 is not None and a2 is not None and v1 is not None
+    assert a1["seq"] < a2["seq"] < v1["seq"]
+    backlog = store.outbox_backlog()
+    assert (backlog["undelivered"], backlog["max_seq"]) == (4, v1["seq"])
+
+
+# -- one test, three stores, pinned clocks: byte-identical records -------------------------
+
+T0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
+
+
+def _at(minutes: float) -> datetime:
+    return T0 + timedelta(minutes=minutes)
+
+
+def pinned_history(store: Store) -> list[tuple[str, Any]]:
+    """A whole invocation history under a pinned clock; what each step returned."""
+    out: list[tuple[str, Any]] = []
+
+    def step_at(name: str, minutes: float, call: Callable[[], Any]) -> Any:
+        pin_clock(store, _at(minutes))
+        result = call()
+        out.append((name, result))
+        return result
+
+    store.create_run("proj", "trace-1", R1)
+    for n in (1, 2, 3):
+        store.add_step_run(R1, "model", step(n))
+    deadline = format_timestamp(_at(5))
+    world = World(store)
+
+    def admit(invocation_id: str, n: int, version: int) -> Callable[[], Any]:
+        command = admission(invocation_id, R1, step(n), version, deadline_at=deadline)
+        return lambda: world.admit(command)
+
+    def complete(invocation_id: str, *args: Any) -> Callable[[], Any]:
+        return lambda: world.complete(world.completion(invocation_id, *args))
+
+    def resolve(invocation_id: str, *args: Any) -> Callable[[], Any]:
+        return lambda: store.resolve_invocation(world.resolution(invocation_id, *args))
+
+    step_at("admit 1", 1, admit("inv-1", 1, 1))
+    step_at("admit 2", 1.5, admit("inv-2", 2, 1))
+    step_at("admit 3", 1.75, admit("inv-3", 3, 1))
+    step_at("complete 1 lost", 2, complete("inv-1", "lost", "outcome_unknown"))
+    step_at("resolve 1 retry", 3, resolve("inv-1", "retry", "alice", "never ran"))
+    step_at("admit 1b", 4, admit("inv-1b", 1, 4))
+    step_at("complete 1b", 4.5, complete("inv-1b", "succeeded", "ok", usage(100, 20, 1500, "USD")))
+    step_at(
+        "complete 3", 4.75, complete("inv-3", "timed_out", "deadline", usage(10, None, None, None))
+    )
+    recovered = step_at("recover", 10, lambda: store.recover_expired(10, 60))
+    world.completions["inv-2"] = recovered["recovered"][0]
+    step_at("resolve 2 fail", 11, resolve("inv-2", "fail", "bob"))
+    step_at("usage", 12, lambda: store.usage_summary("proj"))
+    step_at("usage window", 12, lambda: store.usage_summary("proj", _at(4.5), _at(4.75)))
+    keep = ("status", "version", "attempt_count", "current_invocation_id", "output_ref",
+            "result_code", "updated_at")  # fmt: skip
+    for n in (1, 2, 3):
+        row = store.step_run(step(n))
+        out.append((f"step {n}", {k: row[k] for k in keep}))
+    run = store.run(R1)
+    out.append(("run", (run["version"], run["event_seq"], run["updated_at"])))
+    events = "SELECT seq, event_id, event_type, step_run_id, payload FROM {ql3}run_events"
+    rows = sorted(query(store, events), key=lambda row: int(row[0]))
+    out.append(
+        ("events", [(*r[:4], json.loads(r[4]) if isinstance(r[4], str) else r[4]) for r in rows])
+    )
+    mutations = (
+        "SELECT mutation_id, dedupe_key, from_status, to_status, from_version, command_digest"
+        " FROM {ql3}step_run_mutations"
+    )
+    out.append(("mutations", sorted(query(store, mutations))))
+    return out
+
+
+@pytest.fixture
+def all_stores(db_dsn: str, tmp_path: Path) -> Iterator[dict[str, Store]]:
+    stores: dict[str, Store] = {"pg": PgStore(db_dsn)}
+    try:
+        for kind in ("edge-wal", "edge-delete"):
+            stores[kind] = make_edge_store(kind, tmp_path)
+        yield stores
+    finally:
+        for opened in stores.values():
+            opened.close()
+
+
+def test_pinned_clocks_give_byte_identical_records(all_stores: dict[str, Store]) -> None:
+    histories = {kind: pinned_history(s) for kind, s in all_stores.items()}
+    expected = histories.pop("pg")
+    by_name = dict(expected)
+    assert by_name["admit 1"]["start"]["admitted_at"] == "2026-12-02T12:01:00.000000Z"
+    assert by_name["recover"]["count"] == 1
+    assert by_name["recover"]["recovered"][0]["invocation_id"] == "inv-2"
+    kinds = ("start_digest", "completion_digest", "resolution_digest")
+    digests = [v[k] for _, v in expected if isinstance(v, dict) for k in kinds if k in v]
+    assert len(digests) == 9
+    for kind, history in histories.items():
+        assert [name for name, _ in history] == [name for name, _ in expected]
+        for (name, got), (_, want) in zip(history, expected, strict=True):
+            assert got == want, f"{kind}: {name} differs from PostgreSQL"
+
+
+def test_a_pinned_clock_moves_recovery_on_every_store(store: Store) -> None:
+    store.create_run("proj", "trace-1", R1)
+    store.add_step_run(R1, "model", step(1))
+    pin_clock(store, T0)
+    store.admit_invocation(admission("inv-1", R1, step(1), 1, deadline_at=format_timestamp(_at(1))))
+    assert store.recover_expired(10, 0)["count"] == 0
+    pin_clock(store, _at(1))
+    assert store.recover_expired(10, 0)["count"] == 0, "deadline + grace must be strictly past"
+    pin_clock(store, _at(1) + timedelta(microseconds=1))
+    done = store.recover_expired(10, 0)
+    assert done["count"] == 1
+    pin_clock(store, None)
+
+
+# -- the test clock is test-only ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["runtime", "operator", "relay", "reader"])
+def test_no_ql3_role_can_pin_the_postgresql_clock(db_dsn: str, role: str) -> None:
+    with psycopg.connect(role_dsn(db_dsn, role), autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(
+                "CREATE OR REPLACE FUNCTION ql3._now() RETURNS timestamptz LANGUAGE sql STABLE"
+                " AS $$ SELECT '2000-01-01T00:00:00Z'::timestamptz $$"
+            )
+        if role in ("relay", "reader"):
+            return  # they may not even call it
+        # No setting moves it either: the clock is a function body, not a GUC.
+        conn.execute("SET ql3.now = '2000-01-01T00:00:00Z'")
+        row = conn.execute("SELECT ql3._now() = now()").fetchone()
+        assert row == (True,)
+
+
+def _function_texts(text: str, names: list[str], create: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for name in names:
+        start = text.index(f"{create} ql3_ai.{name}(")
+        end = len(text)
+        for marker in ("COMMENT ON FUNCTION", "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"):
+            at = text.find(marker, start + len(create))
+            if at >= 0:
+                end = min(end, at)
+        found[name] = text[start:end].strip()
+    return found
+
+
+CLOCK_FUNCTIONS = ["admit_invocation", "_write_completion", "resolve_invocation", "recover_expired"]
+AI_0001 = REPO / "sql/ql3_ai/0001_invocations.sql"
+AI_0002 = REPO / "sql/ql3_ai/0002_test_clock.sql"
+REGENERATE = (
+    "cd tests/py && ../../.venv/bin/python -c "
+    "'import test_conformance as t; t.regenerate_ql3_ai_0002()'"
+)
+
+
+def regenerate_ql3_ai_0002() -> None:
+    """Rewrite ql3_ai 0002 from 0001 (while 0001 is unreleased and still changing)."""
+    first = AI_0001.read_text(encoding="utf-8")
+    second = AI_0002.read_text(encoding="utf-8")
+    header = second[: second.index("CREATE OR REPLACE FUNCTION")]
+    bodies = _function_texts(first, CLOCK_FUNCTIONS, "CREATE FUNCTION")
+    rewritten = [
+        bodies[name]
+        .replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+        .replace("now()", "ql3._now()")
+        + "\n"
+        for name in CLOCK_FUNCTIONS
+    ]
+    AI_0002.write_text(header + "\n".join(rewritten), encoding="utf-8")
+
+
+def test_ql3_ai_0002_only_swaps_now_for_the_pinnable_clock() -> None:
+    first = AI_0001.read_text(encoding="utf-8")
+    second = AI_0002.read_text(encoding="utf-8")
+    old = _function_texts(first, CLOCK_FUNCTIONS, "CREATE FUNCTION")
+    new = _function_texts(second, CLOCK_FUNCTIONS, "CREATE OR REPLACE FUNCTION")
+    for name in CLOCK_FUNCTIONS:
+        rewritten = old[name].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+        assert new[name] == rewritten.replace("now()", "ql3._now()"), (
+            f"ql3_ai 0002 is stale: {name} changed in 0001 (0002 replaces it on every "
+            f"migrated database). Regenerate it: {REGENERATE}"
+        )
+        assert "now()" not in new[name].replace("ql3._now()", ""), name
+    assert re.findall(r"CREATE OR REPLACE FUNCTION ql3_ai\.(\w+)\(", second) == CLOCK_FUNCTIONS
+    others = re.findall(r"CREATE FUNCTION ql3_ai\.(\w+)\(", first)
+    for name, text in _function_texts(first, [n for n in others if n not in CLOCK_FUNCTIONS],
+                                      "CREATE FUNCTION").items():  # fmt: skip
+        assert "now()" not in text, f"{name} reads the clock: ql3_ai 0002 must replace it too"
+
+
+def test_edge_migrations_keep_the_postgresql_versions() -> None:
+    for stream in ("core", "ql3_ai"):
+        pg = sorted(p.name for p in (REPO / "sql" / stream).glob("*.sql"))
+        edge = sorted(p.name for p in (REPO / "python/ql3/edge_sql" / stream).glob("*.sql"))
+        assert edge == pg, stream
+
+
+# -- the shared vectors through the stores' own paths ----------------------------------------
+
+BODY_DOMAIN = "ql3/contract-body@v1"
+JCS_VECTORS = load_vectors("jcs.json")
+DIGEST_VECTORS = load_vectors("digest.json")
+IDENTITY_VECTORS = load_vectors("identity.json")
+
+
+def _framed(domain: str, canonical_text: str) -> str:
+    return hashlib.sha256(domain.encode() + b"\x00" + canonical_text.encode()).hexdigest()
+
+
+def test_jcs_vectors_become_the_body_hash_and_the_stored_body(store: Store) -> None:
+    for n, vector in enumerate(v for v in JCS_VECTORS if not v.get("error")):
+        value = canonical.parse_json(vector["input"])
+        row = store.put_revision("vec", FAMILY, f"jcs-{n}", {"v": value}, "vectors")
+        expected = '{"v":' + vector["canonical"] + "}"
+        assert row["body_hash"] == _framed(BODY_DOMAIN, expected), vector["name"]
+        if isinstance(store, EdgeStore):
+            stored = query(store, "SELECT body FROM contract_revisions WHERE revision_id = ?",
+                           (row["revision_id"],))  # fmt: skip
+            assert stored == [(expected,)], vector["name"]
+        if isinstance(value, dict):
+            direct = store.put_revision("vec", FAMILY, f"jcs-obj-{n}", value, "vectors")
+            assert direct["body_hash"] == _framed(BODY_DOMAIN, vector["canonical"]), vector["name"]
+    assert hashlib.sha256(b"{}").hexdigest() == JCS_VECTORS[0]["sha256"]
+
+
+def test_jcs_error_vectors_are_refused_and_write_nothing(store: Store) -> None:
+    before = footprint(store)
+    for vector in (v for v in JCS_VECTORS if v.get("error")):
+        value = json.loads(vector["input"])  # lenient: the store must be the one refusing
+        with pytest.raises(errors.InvalidArgument):
+            store.put_revision("vec", FAMILY, "jcs-error", {"v": value}, "vectors")
+    assert footprint(store) == before
+
+
+def test_digest_vectors_through_put_revision_and_the_shim_digest(store: Store) -> None:
+    for n, vector in enumerate(DIGEST_VECTORS):
+        if vector["domain"] == BODY_DOMAIN:
+            row = store.put_revision("vec", FAMILY, f"digest-{n}", vector["value"], "vectors")
+            assert row["body_hash"] == vector["digest"]
+        digest, _ = checked_digest("vector", vector["domain"], vector["value"])
+        assert digest == vector["digest"], vector
+
+
+def test_identity_vectors_are_the_identities_every_phase_stores(store: Store) -> None:
+    store.create_run("proj", "trace-1", R1)
+    world = World(store)
+    for n, vector in enumerate(IDENTITY_VECTORS, start=1):
+        invocation_id = vector["invocation_id"]
+        store.add_step_run(R1, "model", step(n))
+        start = world.admit(admission(invocation_id, R1, step(n), 1))["start"]
+        completion = world.complete(world.completion(invocation_id, "lost", "outcome_unknown"))
+        resolution = store.resolve_invocation(world.resolution(invocation_id, "cancel"))
+        for phase, record in (("admission", start), ("completion", completion["completion"]),
+                              ("resolution", resolution["resolution"])):  # fmt: skip
+            want = vector[phase]
+            got = {k: record[k] for k in ("mutation_id", "event_id", "dedupe_key")}
+            assert got == want, (invocation_id[:16], phase)
+            mutation = "SELECT dedupe_key FROM {ql3}step_run_mutations WHERE mutation_id = ?"
+            assert query(store, mutation, (want["mutation_id"],)) == [(want["dedupe_key"],)]
+            assert query(store, "SELECT count(*) FROM {ql3}run_events WHERE event_id = ?",
+                         (want["event_id"],)) == [(1,)]  # fmt: skip

@@ -1,0 +1,60 @@
+"""``make demo`` tells the whole story on SQLite with no server, and on PostgreSQL with
+``--dsn``: the same steps, the same outcomes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ql3 import demo
+
+STORY = [
+    r"== store: SQLite|== store: PostgreSQL",
+    r"migrations applied: (core 0001_canonical\.sql|none \(already up to date\))",
+    r"== activated revision 1: pointer swap and outbox row",
+    r"== a worker cache loaded the policy: revision 1",
+    r"the relay delivered outbox seq \d+ and the worker cache reloaded revision 2",
+    r"a stale compare-and-set is refused: QL3_CONFLICT",
+    r"succeeded v3 attempt 1 result_code=ok output_ref=model-invocation:",
+    r"exact replay: MODEL_INVOCATION_REPLAY_BLOCKED, provider calls 1 -> 1",
+    r"\(HTTP 503\): MODEL_PROVIDER_FAILED",
+    r"failed v3 attempt 1 result_code=provider_http_503",
+    r"deadline: MODEL_DEADLINE_EXCEEDED",
+    r"timed_out v3 attempt 1 result_code=deadline_exceeded",
+    r"lost v3 attempt 1 result_code=outcome_unknown",
+    r"replaying the lost completion the gateway wrote is 'existing'",
+    r"carol resolves the lost call: retry",
+    r"ready v4 attempt 1 result_code=None",
+    r"a new invocation on the same step succeeds: attempt 2",
+    r"succeeded v6 attempt 2 result_code=ok",
+    r'"unknown_cost_completions": 2',
+    r"demo finished",
+]
+
+
+def assert_story(out: str) -> None:
+    position = 0
+    for line in STORY:
+        found = re.compile(line).search(out, position)
+        assert found is not None, f"missing, or out of order: {line}\n{out}"
+        position = found.end()
+
+
+def test_the_demo_runs_on_sqlite_without_any_server(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main([]) == 0
+    assert_story(capsys.readouterr().out)
+
+
+def test_the_demo_runs_on_sqlite_in_delete_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--journal-mode", "delete"]) == 0
+    assert_story(capsys.readouterr().out)
+
+
+def test_the_demo_runs_the_same_story_on_postgresql(
+    db_dsn: str, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo.main(["--dsn", db_dsn, "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "== store: PostgreSQL" in out
+    assert_story(out)

@@ -1,0 +1,326 @@
+"""The OpenAI-compatible adapter and the gateway's policy routing, without a database:
+topology and policy bodies, the exact request bytes, SSE parsing, and how much each
+provider failure tells (definite, never sent, or unknown)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from ql3 import errors
+from ql3.devservers import free_port
+from ql3.gateway import PolicyRoute, choose_route, policy_routes
+from ql3.providers import (
+    OpenAICompatibleProvider,
+    ProviderError,
+    ProviderProtocolError,
+    ProviderResponse,
+    ProviderUnreachable,
+    Route,
+    StreamDelta,
+    StreamEvent,
+    Topology,
+    topology_body,
+)
+from ql3.stub_provider import StubRequest, completion_document, instant_transport, sse_events
+
+
+def run(scenario: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(scenario, 10))
+
+
+@dataclass(frozen=True)
+class Revision:
+    project_id: str
+    contract_family: str
+    contract_id: str
+    revision_id: str
+    revision_no: int
+    body: dict[str, Any]
+
+
+class Source:
+    """An in-memory topology source: what the revision cache serves, set by the test."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.revision = Revision(
+            "__platform__", "platform_resource", "ollama_topology", "rev-1", 1, body
+        )
+        self.callbacks: list[Callable[[Any], Awaitable[None] | None]] = []
+
+    async def get_effective(self, project_id: str, family: str, contract_id: str) -> Revision:
+        return self.revision
+
+    def on_change(
+        self, family: str, contract_id: str, fn: Callable[[Any], Awaitable[None] | None]
+    ) -> None:
+        self.callbacks.append(fn)
+
+
+TOPOLOGY = topology_body(
+    [("a", "http://127.0.0.1:1/v1", ["m1"]), ("b", "http://h:2/v1", ["m1", "m2"])]
+)
+ROUTE = Route(
+    provider="a", model="m1", url="http://stub/v1/chat/completions", topology_revision_id="rev-1"
+)
+
+
+def adapter_with(handler: Callable[[httpx.Request], httpx.Response]) -> OpenAICompatibleProvider:
+    return OpenAICompatibleProvider(
+        Source(TOPOLOGY), transport_factory=lambda: httpx.MockTransport(handler)
+    )
+
+
+def sse_response(chunks: list[bytes]) -> Callable[[httpx.Request], httpx.Response]:
+    async def body() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    return handler
+
+
+async def collect(adapter: OpenAICompatibleProvider) -> list[StreamEvent]:
+    return [event async for event in adapter.stream(ROUTE, b"{}")]
+
+
+# -- topology -------------------------------------------------------------------------------
+
+
+def test_topology_routes_a_model_to_the_first_endpoint_serving_it_or_the_named_one() -> None:
+    topology = Topology.from_body(TOPOLOGY, revision_id="rev-1")
+    assert topology.endpoint_for("m1").name == "a"
+    assert topology.endpoint_for("m1", "b").name == "b"
+    assert topology.endpoint_for("m2").chat_url == "http://h:2/v1/chat/completions"
+    with pytest.raises(errors.NotFound):
+        topology.endpoint_for("m3")
+    with pytest.raises(errors.NotFound):
+        topology.endpoint_for("m2", "a")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"endpoints": []},
+        {"endpoints": [{"name": "a", "base_url": "http://x/v1", "models": ["m"]}], "extra": 1},
+        {"endpoints": [{"name": "a", "base_url": "http://x/v1", "models": ["m"], "key": "s"}]},
+        {"endpoints": [{"name": "a", "base_url": "ftp://x/v1", "models": ["m"]}]},
+        {"endpoints": [{"name": "", "base_url": "http://x/v1", "models": ["m"]}]},
+        {"endpoints": [{"name": "a", "base_url": "http://x/v1", "models": []}]},
+        topology_body([("a", "http://x/v1", ["m"]), ("a", "http://y/v1", ["m"])]),
+    ],
+)
+def test_topology_bodies_that_could_route_nowhere_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        Topology.from_body(body, revision_id="rev-1")
+
+
+# -- policy routing ---------------------------------------------------------------------------
+
+
+def policy(body: dict[str, Any]) -> Revision:
+    return Revision("acme", "policy_routing", "bot", "rev-p", 3, body)
+
+
+def test_policy_route_is_the_named_model_or_a_weighted_draw_stable_per_invocation() -> None:
+    routes = policy_routes(policy({"routes": [{"model": "m1", "weight": 3}, {"model": "m2"}]}))
+    assert routes == (
+        PolicyRoute(model="m1", weight=3, endpoint=None),
+        PolicyRoute(model="m2", weight=1, endpoint=None),
+    )
+    assert choose_route(routes, "any", "m2").model == "m2"
+    draws = [choose_route(routes, f"inv-{i}", None).model for i in range(2000)]
+    assert draws == [choose_route(routes, f"inv-{i}", None).model for i in range(2000)]
+    assert 0.7 < draws.count("m1") / len(draws) < 0.8
+    with pytest.raises(errors.InvalidArgument):
+        choose_route(routes, "any", "m3")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"routes": []},
+        {"routes": [{"weight": 1}]},
+        {"routes": [{"model": "m", "weight": 0}]},
+        {"routes": [{"model": "m", "weight": True}]},
+        {"routes": [{"model": "m", "endpoint": 1}]},
+    ],
+)
+def test_policy_without_usable_routes_is_invalid(body: dict[str, Any]) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        policy_routes(policy(body))
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def test_request_body_is_compact_json_and_asks_streams_for_usage() -> None:
+    messages = [{"role": "user", "content": "héllo"}]
+    plain = OpenAICompatibleProvider.encode_request("m1", messages, stream=False)
+    expected = '{"model":"m1","messages":[{"role":"user","content":"héllo"}],"stream":false}'
+    assert plain == expected.encode()
+    streamed = json.loads(
+        OpenAICompatibleProvider.encode_request("m1", messages, stream=True, options={"seed": 1})
+    )
+    assert streamed["stream_options"] == {"include_usage": True}
+    assert streamed["seed"] == 1
+    with pytest.raises(errors.InvalidArgument):
+        OpenAICompatibleProvider.encode_request(
+            "m1", messages, stream=False, options={"model": "x"}
+        )
+    with pytest.raises(errors.InvalidArgument):
+        OpenAICompatibleProvider.encode_request("m1", "hello", stream=False)  # type: ignore[arg-type]
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def test_completion_usage_comes_from_the_response_and_the_digest_covers_its_bytes() -> None:
+    async def scenario() -> None:
+        adapter = OpenAICompatibleProvider(Source(TOPOLOGY), transport_factory=instant_transport)
+        body = adapter.encode_request("m1", [{"role": "user", "content": "a b c"}], stream=False)
+        response = await adapter.complete(ROUTE, body)
+        await adapter.aclose()
+        assert response.text.startswith("Hello")
+        assert response.usage is not None and response.usage.input_tokens == 3
+        assert response.output_bytes > 0 and len(response.output_digest) == 64
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "raised"),
+    [
+        (400, b'{"error": "bad"}', ProviderError),
+        (500, b'{"error": "boom"}', ProviderError),
+        (400, b"", ProviderProtocolError),  # no answer to go by
+        (502, b"<html>bad gateway</html>", ProviderProtocolError),  # the upstream may have run
+        (504, b"<html>timeout</html>", ProviderProtocolError),
+        (200, b"not json", ProviderProtocolError),
+        (200, b'{"choices": []}', ProviderProtocolError),
+    ],
+)
+def test_only_a_definite_error_answer_is_a_provider_error(
+    status: int, body: bytes, raised: type[Exception]
+) -> None:
+    async def scenario() -> None:
+        adapter = adapter_with(lambda request: httpx.Response(status, content=body))
+        with pytest.raises(raised):
+            await adapter.complete(ROUTE, b"{}")
+        await adapter.aclose()
+
+    run(scenario())
+
+
+def test_a_refused_connection_is_unreachable_not_unknown() -> None:
+    async def scenario() -> None:
+        adapter = OpenAICompatibleProvider(Source(TOPOLOGY))
+        url = f"http://127.0.0.1:{free_port()}/v1/chat/completions"
+        route = Route(provider="a", model="m1", url=url, topology_revision_id="rev-1")
+        with pytest.raises(ProviderUnreachable):
+            await adapter.complete(route, b"{}")
+        await adapter.aclose()
+
+    run(scenario())
+
+
+def sse_bytes() -> bytes:
+    request = StubRequest(path="/v1/chat/completions", body=b"", doc={"model": "m1"})
+    return b"".join(sse_events(request, ["Hel", "lo", " wörld"]))
+
+
+def split_every(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100000])
+def test_sse_stream_is_parsed_across_any_chunk_boundaries(size: int) -> None:
+    async def scenario() -> None:
+        adapter = adapter_with(sse_response(split_every(sse_bytes(), size)))
+        events = await collect(adapter)
+        await adapter.aclose()
+        assert [e.text for e in events if isinstance(e, StreamDelta)] == ["Hel", "lo", " wörld"]
+        final = events[-1]
+        assert isinstance(final, ProviderResponse)
+        assert (final.text, final.finish_reason) == ("Hello wörld", "stop")
+        assert final.usage is not None and final.usage.output_tokens == 2
+        assert final.output_bytes == len(sse_bytes())
+
+    run(scenario())
+
+
+def test_sse_with_crlf_comments_and_multiline_data() -> None:
+    chunk = {"choices": [{"delta": {"content": "x"}, "finish_reason": None}]}
+    text = json.dumps(chunk, indent=1).replace("\n", "\r\ndata: ")
+    raw = f": keep-alive\r\n\r\ndata: {text}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+
+    async def scenario() -> None:
+        adapter = adapter_with(sse_response([raw]))
+        events = await collect(adapter)
+        await adapter.aclose()
+        assert events[0] == StreamDelta("x")
+        assert isinstance(events[-1], ProviderResponse)
+
+    run(scenario())
+
+
+def test_sse_without_done_is_unknown_and_an_error_event_is_definite() -> None:
+    truncated = sse_bytes().replace(b"data: [DONE]\n\n", b"")
+    error = b'data: {"error": {"message": "model unloaded"}}\n\n'
+
+    async def scenario() -> None:
+        adapter = adapter_with(sse_response([truncated]))
+        with pytest.raises(ProviderProtocolError):
+            await collect(adapter)
+        adapter = adapter_with(sse_response([error]))
+        with pytest.raises(ProviderError) as caught:
+            await collect(adapter)
+        assert caught.value.status == 200
+        await adapter.aclose()
+
+    run(scenario())
+
+
+# -- connections ------------------------------------------------------------------------------
+
+
+def test_a_topology_change_retires_connections_after_the_calls_in_flight() -> None:
+    transports: list[httpx.MockTransport] = []
+    release = asyncio.Event()
+
+    async def slow_answer(request: httpx.Request) -> httpx.Response:
+        await release.wait()
+        stub = StubRequest(path=request.url.path, body=b"", doc={"model": "m1"})
+        return httpx.Response(200, json=completion_document(stub, "late but fine"))
+
+    def factory() -> httpx.MockTransport:
+        transports.append(httpx.MockTransport(slow_answer))
+        return transports[-1]
+
+    source = Source(TOPOLOGY)
+
+    async def scenario() -> None:
+        adapter = OpenAICompatibleProvider(source, transport_factory=factory)
+        body = adapter.encode_request("m1", [], stream=False)
+        in_flight = asyncio.create_task(adapter.complete(ROUTE, body))
+        await asyncio.sleep(0.01)
+        for callback in source.callbacks:
+            callback(source.revision)  # what RevisionCache.on_change does on a new revision
+        assert adapter.resets == 1
+        release.set()
+        assert (await in_flight).text  # finished on the retired client
+        await adapter.complete(ROUTE, body)
+        assert len(transports) == 2  # the next call opened new connections
+        await adapter.aclose()
+
+    run(scenario())

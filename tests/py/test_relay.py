@@ -1,0 +1,702 @@
+"""The outbox relay (SPEC section 7) against real PostgreSQL and Redis.
+
+Every test uses its own database (cloned from a migrated template) and its own channel
+prefix, so relays of different tests never see each other's events. Fault tests that stop
+a server start their own throwaway one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis.asyncio as aioredis
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from ql3 import devservers
+from ql3.migrate import migrate
+from ql3.relay import (
+    JsonLogFormatter,
+    Relay,
+    RelayConfig,
+    config_from_args,
+    event_message,
+    redact_url,
+    register,
+)
+
+EVENT_FIELDS = {
+    "seq",
+    "event_id",
+    "event_type",
+    "project_id",
+    "contract_family",
+    "contract_id",
+    "old_revision_id",
+    "new_revision_id",
+    "pointer_version",
+    "created_at",
+}
+RFC3339_MICROS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+
+
+# -- fixtures and helpers ------------------------------------------------------------------
+
+
+@pytest.fixture
+def db(db_dsn: str) -> str:
+    """A fresh, fully migrated database (superuser DSN)."""
+    return db_dsn
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test:{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A directory the postgres system user can enter (pytest's tmp_path is 0700 root)."""
+    root = Path(tempfile.mkdtemp(prefix="ql3-relay-test-"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def as_role(dsn: str, role: str) -> str:
+    """The DSN with the session role set at connection start (superuser -> role)."""
+    params = conninfo_to_dict(dsn)
+    params["options"] = f"-c role={role}"
+    return make_conninfo(**params)  # type: ignore[arg-type]
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def sample(relay: Relay, name: str, **labels: str) -> float:
+    value = relay.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def run(scenario: Coroutine[Any, Any, None], timeout: float = 60.0) -> None:
+    """asyncio.run with a deadline, so a hung scenario fails instead of stalling CI."""
+    asyncio.run(asyncio.wait_for(scenario, timeout))
+
+
+async def until(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll pred until true; fail with what after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def activate(
+    conn: psycopg.AsyncConnection[Any],
+    project: str,
+    contract: str,
+    body: dict[str, Any],
+    family: str = "policy_routing",
+) -> dict[str, Any]:
+    """put_revision + activate_revision; the outbox row it wrote."""
+    cur = await conn.execute(
+        "SELECT revision_id FROM ql3.put_revision(%s, %s, %s, %s::jsonb, 'test')",
+        (project, family, contract, Jsonb(body)),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    cur = await conn.execute(
+        "SELECT seq, pointer_version FROM ql3.activate_revision(%s, %s, %s, %s, 'test')",
+        (project, family, contract, row[0]),
+    )
+    event = await cur.fetchone()
+    assert event is not None and event[0] is not None
+    return {"seq": int(event[0]), "pointer_version": int(event[1]), "revision_id": str(row[0])}
+
+
+async def backlog(dsn: str) -> int:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT undelivered FROM ql3.outbox_backlog()")
+        row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+async def until_backlog_empty(dsn: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while await backlog(dsn) != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"backlog not drained after {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+class Subscriber:
+    """Collects every event and heartbeat published under a prefix."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.events: list[dict[str, Any]] = []
+        self.heartbeats: list[dict[str, Any]] = []
+        self.raw: list[tuple[str, bytes]] = []
+        self._client: aioredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    async def __aenter__(self) -> Subscriber:
+        self._client = aioredis.Redis.from_url(self.url)
+        pubsub = self._client.pubsub()
+        await pubsub.psubscribe(f"{self.prefix}:*")
+        confirmation = await pubsub.get_message(timeout=5.0)
+        assert confirmation is not None and confirmation["type"] == "psubscribe"
+        self._task = asyncio.create_task(self._read(pubsub))
+        return self
+
+    async def _read(self, pubsub: Any) -> None:
+        try:
+            while not self._closing:  # a flag too: redis-py can swallow a cancellation
+                message = await pubsub.get_message(timeout=0.2)
+                if message is None or message["type"] != "pmessage":
+                    continue
+                channel = message["channel"].decode()
+                self.raw.append((channel, message["data"]))
+                doc = json.loads(message["data"])
+                if channel == f"{self.prefix}:__heartbeat__":
+                    self.heartbeats.append(doc)
+                else:
+                    assert channel == f"{self.prefix}:{doc['project_id']}"
+                    self.events.append(doc)
+        finally:
+            await pubsub.aclose()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client is not None:
+            await self._client.aclose()
+
+    def seqs(self) -> set[int]:
+        return {int(e["seq"]) for e in self.events}
+
+
+@contextlib.asynccontextmanager
+async def running(relay: Relay) -> AsyncIterator[Relay]:
+    await relay.start()
+    try:
+        await relay.wait_ready()
+        yield relay
+    finally:
+        await relay.stop()
+
+
+def config(dsn: str, redis_url: str, prefix: str, **kw: Any) -> RelayConfig:
+    base: dict[str, Any] = {
+        "heartbeat_interval": 0.1,
+        "backoff_initial": 0.02,
+        "backoff_max": 0.3,
+    }
+    base.update(kw)
+    return RelayConfig(dsn=dsn, redis_url=redis_url, channel_prefix=prefix, **base)
+
+
+def spawn_relay(
+    dsn: str, redis_url: str, prefix: str, log_path: Path, *args: str, **env: str
+) -> subprocess.Popen[bytes]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QL3_RELAY_")}
+    environ.update(env)
+    command = [
+        sys.executable, "-m", "ql3.relay", "--dsn", dsn, "--redis-url", redis_url,
+        "--channel-prefix", prefix, "--metrics-port", "-1", "--heartbeat-interval", "0.2",
+        *args,
+    ]  # fmt: skip
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, env=environ, stdout=log, stderr=log)
+
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+# -- delivery ------------------------------------------------------------------------------
+
+
+def test_every_activation_is_published_once_in_seq_order_as_the_relay_role(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+            running(Relay(config(as_role(db, "ql3_relay"), redis_url, prefix))) as relay,
+        ):
+            written = [
+                await activate(conn, f"proj-{i % 3}", f"contract-{i % 4}", {"n": i})
+                for i in range(30)
+            ]
+            await until(lambda: len(sub.events) >= 30, 10, "30 events")
+            await until_backlog_empty(db, 5)
+            assert [e["seq"] for e in sub.events] == [w["seq"] for w in written]
+            assert relay.published == 30
+            for event, w in zip(sub.events, written, strict=True):
+                assert set(event) == EVENT_FIELDS
+                assert event["event_type"] == "revision_activated"
+                assert event["new_revision_id"] == w["revision_id"]
+                assert event["pointer_version"] == w["pointer_version"]
+                assert RFC3339_MICROS.match(event["created_at"])
+                uuid.UUID(event["event_id"])
+
+    run(scenario())
+
+
+def test_notify_wakes_the_relay_long_before_the_poll(db: str, redis_url: str, prefix: str) -> None:
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+            running(Relay(config(db, redis_url, prefix, poll_interval=60.0))),
+        ):
+            for i in range(3):
+                started = time.monotonic()
+                await activate(conn, "p", "c", {"n": i})
+                await until(lambda i=i: len(sub.events) > i, 5, "the event")  # type: ignore[misc]
+                assert time.monotonic() - started < 2.0
+
+    run(scenario())
+
+
+def test_poll_delivers_events_whose_notification_never_came(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            await conn.execute(
+                "ALTER TABLE ql3.contract_outbox DISABLE TRIGGER contract_outbox_notify"
+            )
+            async with (
+                Subscriber(redis_url, prefix) as sub,
+                running(Relay(config(db, redis_url, prefix, poll_interval=0.2))),
+            ):
+                event = await activate(conn, "p", "c", {"quiet": True})
+                await until(lambda: sub.seqs() == {event["seq"]}, 5, "the polled event")
+
+    run(scenario())
+
+
+def test_sweep_at_start_delivers_events_written_while_no_relay_ran(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            written = {(await activate(conn, "p", f"c{i}", {"i": i}))["seq"] for i in range(25)}
+            async with (
+                Subscriber(redis_url, prefix) as sub,
+                running(Relay(config(db, redis_url, prefix, batch=10, poll_interval=60.0))),
+            ):
+                await until(lambda: sub.seqs() == written, 5, "the swept backlog")
+            assert await backlog(db) == 0
+
+    run(scenario())
+
+
+def test_run_once_claims_publishes_and_marks_one_batch(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+        ):
+            written = [(await activate(conn, "p", f"c{i}", {"i": i}))["seq"] for i in range(5)]
+            relay = Relay(config(db, redis_url, prefix, batch=3))
+            try:
+                assert [await relay.run_once() for _ in range(3)] == [3, 2, 0]
+            finally:
+                await relay.stop()
+            assert relay.delivered_seq == written[-1]
+            assert await backlog(db) == 0
+            await until(lambda: [e["seq"] for e in sub.events] == written, 5, "five events")
+
+    run(scenario())
+
+
+def test_two_relays_at_once_lose_nothing(db: str, redis_url: str, prefix: str) -> None:
+    async def writer(n: int) -> list[int]:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            return [(await activate(conn, f"p{n}", f"c{i % 5}", {"w": n, "i": i}))["seq"]
+                    for i in range(60)]  # fmt: skip
+
+    async def scenario() -> None:
+        async with (
+            Subscriber(redis_url, prefix) as sub,
+            running(Relay(config(db, redis_url, prefix, batch=7, relay_id="a"))) as a,
+            running(Relay(config(db, redis_url, prefix, batch=7, relay_id="b"))) as b,
+        ):
+            results = await asyncio.gather(*(writer(n) for n in range(4)))
+            written = {seq for seqs in results for seq in seqs}
+            await until(lambda: sub.seqs() == written, 15, "every event from two relays")
+            await until_backlog_empty(db, 5)
+            assert a.published + b.published >= len(written) == 240
+
+    run(scenario())
+
+
+def test_heartbeat_carries_the_highest_delivered_seq(db: str, redis_url: str, prefix: str) -> None:
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+            running(Relay(config(db, redis_url, prefix, relay_id="hb"))),
+        ):
+            last = (await activate(conn, "p", "c", {"v": 1}))["seq"]
+            await until(lambda: any(h["seq"] >= last for h in sub.heartbeats), 5, "a heartbeat")
+            beat = sub.heartbeats[-1]
+            assert beat["type"] == "heartbeat" and beat["relay_id"] == "hb"
+            assert RFC3339_MICROS.match(beat["at"])
+
+    run(scenario())
+
+
+def test_metrics_and_healthz_are_served_over_http(db: str, redis_url: str, prefix: str) -> None:
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+            running(Relay(config(db, redis_url, prefix, metrics_port=0, poll_interval=0.1))) as r,
+        ):
+            await activate(conn, "p", "c", {"v": 1})
+            await until(lambda: len(sub.events) == 1, 5, "the event")
+            assert r.metrics_port is not None
+            await until(lambda: r.health()["status"] == "ok", 5, "a healthy relay")
+            await until(lambda: r.published == 1, 5, "the delivery to be committed")
+            await until(lambda: r.backlog.get("undelivered") == 0, 5, "the backlog gauge")
+            status, body = await http_get(r.metrics_port, "/healthz")
+            assert status == 200 and json.loads(body)["status"] == "ok"
+            status, text = await http_get(r.metrics_port, "/metrics")
+            assert status == 200
+            for series in (
+                "ql3_relay_backlog 0.0",
+                "ql3_relay_oldest_undelivered_age_seconds 0.0",
+                "ql3_relay_published_total 1.0",
+                'ql3_relay_failures_total{target="redis"} 0.0',
+                'ql3_relay_reconnects_total{target="postgres"} 0.0',
+            ):
+                assert series in text, series
+            status, _ = await http_get(r.metrics_port, "/nope")
+            assert status == 404
+
+    run(scenario())
+
+
+def test_password_protected_redis_works(db: str, prefix: str, scratch: Path) -> None:
+    port = devservers.free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--requirepass", "s3cr:t/pw", "--dir", str(scratch)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://:s3cr%3At%2Fpw@127.0.0.1:{port}/0"
+
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(url, prefix) as sub,
+            running(Relay(config(db, url, prefix))),
+        ):
+            event = await activate(conn, "p", "c", {"v": 1})
+            await until(lambda: sub.seqs() == {event["seq"]}, 5, "the event")
+
+    try:
+        wait_port(port)
+        run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_tls_redis_works_with_rediss_urls(db: str, prefix: str, scratch: Path) -> None:
+    cert, key = scratch / "cert.pem", scratch / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = devservers.free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+         "--tls-auth-clients", "no", "--save", "", "--dir", str(scratch)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(url, prefix) as sub,
+            running(Relay(config(db, url, prefix))),
+        ):
+            event = await activate(conn, "p", "c", {"v": 1})
+            await until(lambda: sub.seqs() == {event["seq"]}, 5, "the event over TLS")
+
+    try:
+        wait_port(port)
+        run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
+        # asyncio can leave a TLS transport mid-shutdown when its loop ends; collect it
+        # here, where its ResourceWarning is expected, not in whichever test runs next.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkill_mid_batch_is_redelivered_by_the_next_relay(
+    db: str, redis_url: str, prefix: str, scratch: Path
+) -> None:
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            written = [(await activate(conn, "p", f"c{i}", {"i": i}))["seq"] for i in range(20)]
+        async with Subscriber(redis_url, prefix) as sub:
+            proc = spawn_relay(
+                db, redis_url, prefix, scratch / "relay.log", "--batch", "20",
+                QL3_RELAY_TEST_PAUSE_MID_BATCH="60",
+            )  # fmt: skip
+            try:
+                await until(lambda: len(sub.events) >= 10, 20, "half a batch published")
+            finally:
+                proc.kill()
+                proc.wait()
+            assert sorted(sub.seqs()) == written[:10]
+            assert await backlog(db) == 20  # nothing was committed
+            async with running(Relay(config(db, redis_url, prefix))):
+                await until(lambda: sub.seqs() == set(written), 10, "the batch delivered again")
+                await until_backlog_empty(db, 5)
+            counts = [sum(1 for e in sub.events if e["seq"] == s) for s in written]
+            assert counts == [2] * 10 + [1] * 10  # duplicates are allowed; losses are not
+
+    run(scenario())
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_batch_in_flight_and_exits_zero(
+    db: str, redis_url: str, prefix: str, scratch: Path
+) -> None:
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            written = [(await activate(conn, "p", f"c{i}", {"i": i}))["seq"] for i in range(20)]
+        async with Subscriber(redis_url, prefix) as sub:
+            proc = spawn_relay(
+                db, redis_url, prefix, scratch / "relay.log", "--batch", "20",
+                QL3_RELAY_TEST_PAUSE_MID_BATCH="1",
+            )  # fmt: skip
+            try:
+                await until(lambda: len(sub.events) >= 10, 20, "half a batch published")
+                proc.send_signal(signal.SIGTERM)
+                await until(lambda: proc.poll() is not None, 15, "the relay to exit")
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            assert proc.returncode == 0, (scratch / "relay.log").read_text()
+            assert await backlog(db) == 0
+            assert [e["seq"] for e in sub.events] == written
+        lines = [json.loads(x) for x in (scratch / "relay.log").read_text().splitlines()]
+        assert {"stop_requested", "relay_stopped"} <= {line["event"] for line in lines}
+
+    run(scenario())
+
+
+@pytest.mark.slow
+def test_redis_outage_records_failures_keeps_rows_and_delivers_after_restart(
+    db: str, prefix: str, scratch: Path
+) -> None:
+    rd = devservers.start_redis(scratch)
+
+    async def failed_rows() -> list[dict[str, Any]]:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT seq, delivered_at, relay_attempts, last_error FROM ql3.contract_outbox"
+                " ORDER BY seq"
+            )
+            return await cur.fetchall()
+
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            running(Relay(config(db, rd.url, prefix, poll_interval=0.1))) as relay,
+        ):
+            rd.stop()
+            written = [(await activate(conn, "p", f"c{i}", {"i": i}))["seq"] for i in range(3)]
+            deadline = time.monotonic() + 10
+            while True:
+                rows = await failed_rows()
+                if all(r["relay_attempts"] >= 2 and r["last_error"] for r in rows):
+                    break
+                assert time.monotonic() < deadline, rows
+                await asyncio.sleep(0.05)
+            assert all(r["delivered_at"] is None for r in rows)
+            assert relay.health()["redis"] is False
+            assert sample(relay, "ql3_relay_failures_total", target="redis") >= 2
+            rd.start()
+            await until_backlog_empty(db, 10)
+            rows = await failed_rows()
+            assert [r["seq"] for r in rows] == written
+            assert all(r["last_error"] is None and r["delivered_at"] for r in rows)
+            async with Subscriber(rd.url, prefix) as sub:
+                event = await activate(conn, "p", "after", {"v": 1})
+                await until(lambda: sub.seqs() == {event["seq"]}, 5, "an event after restart")
+            assert sample(relay, "ql3_relay_reconnects_total", target="redis") >= 1
+
+    try:
+        run(scenario())
+    finally:
+        rd.stop()
+
+
+@pytest.mark.slow
+def test_postgres_restart_under_the_relay(prefix: str, redis_url: str, scratch: Path) -> None:
+    pg = devservers.start_postgres(scratch)
+    try:
+        dsn = devservers.create_database(pg, "relay_restart")
+        migrate(dsn)
+
+        async def scenario() -> None:
+            async with (
+                Subscriber(redis_url, prefix) as sub,
+                running(Relay(config(dsn, redis_url, prefix, poll_interval=0.2))) as relay,
+            ):
+                async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                    before = {(await activate(conn, "p", "c", {"i": i}))["seq"] for i in range(3)}
+                await until(lambda: sub.seqs() == before, 5, "events before the restart")
+                await asyncio.to_thread(pg.stop)
+                await until(lambda: not relay.health()["postgres"], 10, "the relay to notice")
+                await asyncio.to_thread(pg.start)
+                async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                    after = {(await activate(conn, "p", "c", {"j": i}))["seq"] for i in range(3)}
+                await until(lambda: sub.seqs() == before | after, 15, "events after the restart")
+                await until_backlog_empty(dsn, 5)
+                assert sample(relay, "ql3_relay_reconnects_total", target="postgres") >= 1
+
+        run(scenario())
+    finally:
+        pg.stop()
+
+
+# -- configuration, command line, logs -----------------------------------------------------
+
+
+def test_flags_win_over_environment_which_wins_over_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    env = {
+        "QL3_DSN": "postgresql://env/db",
+        "QL3_REDIS_URL": "redis://env:6379/0",
+        "QL3_RELAY_CHANNEL_PREFIX": "env:prefix",
+        "QL3_RELAY_BATCH": "42",
+        "QL3_RELAY_METRICS_PORT": "9999",
+    }
+    args = parser.parse_args(["relay", "--batch", "7", "--redis-url", "rediss://flag:6380/1"])
+    cfg = config_from_args(args, env)
+    assert (cfg.dsn, cfg.redis_url, cfg.channel_prefix) == (
+        "postgresql://env/db",
+        "rediss://flag:6380/1",
+        "env:prefix",
+    )
+    assert (cfg.batch, cfg.metrics_port, cfg.poll_interval) == (7, 9999, 1.0)
+    assert callable(args.func)
+    defaults = config_from_args(
+        parser.parse_args(["relay"]), {"QL3_DSN": "x", "QL3_REDIS_URL": "y"}
+    )
+    assert defaults.channel_prefix == "platform:contract:invalidate"
+    assert (defaults.batch, defaults.metrics_port) == (500, 9464)
+    with pytest.raises(ValueError, match="QL3_REDIS_URL"):
+        config_from_args(parser.parse_args(["relay"]), {"QL3_DSN": "x"})
+    with pytest.raises(ValueError, match="batch"):
+        config_from_args(parser.parse_args(["relay", "--batch", "0"]), env)
+
+
+def test_passwords_never_reach_the_logs() -> None:
+    assert redact_url("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact_url("rediss://user:hunter2@h/0") == "rediss://user:***@h/0"
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_log_lines_are_json_with_the_structured_fields() -> None:
+    record = logging.LogRecord("ql3.relay", logging.WARNING, __file__, 1, "redis_backoff", (), None)
+    record.ql3 = {"attempt": 3, "error": "ConnectionError"}
+    doc = json.loads(JsonLogFormatter().format(record))
+    assert doc["event"] == "redis_backoff" and doc["level"] == "warning"
+    assert doc["attempt"] == 3 and RFC3339_MICROS.match(doc["ts"])
+
+
+def test_event_message_matches_the_outbox_row() -> None:
+    from datetime import UTC, datetime
+
+    row = {
+        "seq": 9,
+        "event_id": uuid.UUID(int=1),
+        "event_type": "revision_revoked",
+        "project_id": "p",
+        "contract_family": "policy_routing",
+        "contract_id": "c",
+        "old_revision_id": None,
+        "new_revision_id": uuid.UUID(int=2),
+        "pointer_version": 4,
+        "created_at": datetime(2026, 12, 2, 12, 0, tzinfo=UTC),
+        "delivered_at": None,
+    }
+    message = event_message(row)
+    assert set(message) == EVENT_FIELDS
+    assert message["created_at"] == "2026-12-02T12:00:00.000000Z"
+    assert message["old_revision_id"] is None
+    assert message["new_revision_id"] == str(uuid.UUID(int=2))

@@ -139,3 +139,10 @@ def test_the_systemd_unit_starts_a_real_subcommand() -> None:
 def test_an_unknown_subcommand_is_caught() -> None:
     with pytest.raises(AssertionError, match="not a valid ql3 command"):
         assert_ql3_command(["relay", "--no-such-flag"], "self-test")
+
+
+def test_compose_runs_the_recovery_loop_after_migrate(compose: dict[str, Any]) -> None:
+    recovery = compose["services"]["recovery"]
+    assert recovery["command"][:2] == ["recover", "--loop"]
+    assert recovery["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert_ql3_command([str(c) for c in recovery["command"]], "docker-compose.yml recovery")

@@ -20,7 +20,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import activations, cache_reads, propagation, relay_drain
+from bench import (
+    activations,
+    cache_reads,
+    edge_pairs,
+    gateway_overhead,
+    pairs,
+    propagation,
+    relay_drain,
+)
 from bench.common import REPO_ROOT, Result, Settings, machine_info, now_rfc3339
 from ql3.devservers import test_servers
 
@@ -29,6 +37,9 @@ BENCHMARKS: Mapping[str, Callable[[Settings], Result]] = {
     "relay_drain": relay_drain.run,
     "propagation": propagation.run,
     "cache_reads": cache_reads.run,
+    "pairs": pairs.run,
+    "edge_pairs": edge_pairs.run,
+    "gateway_overhead": gateway_overhead.run,
 }
 
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "latest.json"

@@ -1,0 +1,222 @@
+"""ModelGateway.invoke latency with an instant provider, against the raw admit+complete pair.
+
+The gateway: ``ModelGateway(PgStore, RevisionCache, OpenAICompatibleProvider(cache,
+transport_factory=instant_transport))`` - topology and policy contracts active, the cache
+in normal mode (a relay in this process sends heartbeats), the provider answered in-process
+at once (no sockets), so what is left is the gateway's own work: policy lookup, request
+encoding and digest, admission, the provider adapter, completion. The baseline is the same
+two store calls without the gateway: ``admit_invocation`` then ``complete_invocation``
+through the same ``PgStore``, each in ``asyncio.to_thread`` as the gateway does. Ready model
+steps are created before the timed windows. Overhead = gateway minus baseline, per
+percentile, with one client and with 8 concurrent clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+
+from bench.cache_reads import wait_mode
+from bench.common import Result, Row, Settings, fresh_database, ms, percentile, ratio, verdict
+from bench.edge_pairs import admission_for, check_completed, completion_for
+from ql3.cache import RevisionCache
+from ql3.gateway import ModelCall, ModelGateway, deadline_in
+from ql3.providers import (
+    TOPOLOGY_CONTRACT,
+    TOPOLOGY_FAMILY,
+    TOPOLOGY_PROJECT,
+    OpenAICompatibleProvider,
+    topology_body,
+)
+from ql3.relay import Relay, RelayConfig
+from ql3.store import PgStore
+from ql3.stub_provider import instant_transport
+
+PROJECT = "bench"  # bench.edge_pairs builds its commands for this project too
+POLICY = "bench-policy"
+MODEL = "bench-model"
+CLIENT_COUNTS = (1, 8)
+TARGET_P50_MS = 2.0
+TARGET_P99_MS = 8.0
+WARMUP = 20
+
+Step = tuple[str, str]
+
+
+def set_up_contracts(store: PgStore) -> None:
+    topology = topology_body([("instant", "http://instant.invalid/v1", [MODEL])])
+    rev = store.put_revision(TOPOLOGY_PROJECT, TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT, topology, "b")
+    store.activate_revision(
+        TOPOLOGY_PROJECT, TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT, rev["revision_id"], "b"
+    )
+    policy = {"routes": [{"model": MODEL, "weight": 1}]}
+    rev = store.put_revision(PROJECT, "policy_routing", POLICY, policy, "b")
+    store.activate_revision(PROJECT, "policy_routing", POLICY, rev["revision_id"], "b")
+
+
+def ready_steps(dsn: str, count: int) -> list[Step]:
+    """``count`` ready model steps, one run each, inserted in bulk (as create_run and
+    add_step_run leave them)."""
+    runs = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(count)]
+    with psycopg.connect(dsn) as conn, conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO ql3.runs (run_id, project_id, trace_id) VALUES (%s, %s, 'trace-bench')",
+            [(run_id, PROJECT) for run_id, _ in runs],
+        )
+        cur.executemany(
+            "INSERT INTO ql3.step_runs (step_run_id, run_id, kind) VALUES (%s, %s, 'model')",
+            [(step, run_id) for run_id, step in runs],
+        )
+    return runs
+
+
+async def latencies(
+    clients: int, steps: list[Step], once: Callable[[Step], Awaitable[None]]
+) -> list[float]:
+    """``clients`` concurrent loops, each over its share of ``steps``; every latency (s)."""
+    out: list[float] = []
+
+    async def client(mine: list[Step]) -> None:
+        for step in mine:
+            started = time.perf_counter()
+            await once(step)
+            out.append(time.perf_counter() - started)
+
+    await asyncio.gather(*(client(steps[i::clients]) for i in range(clients)))
+    return out
+
+
+async def measure(dsn: str, redis_url: str, calls: int) -> dict[int, dict[str, list[float]]]:
+    prefix = f"bench:{uuid.uuid4().hex[:8]}"
+    results: dict[int, dict[str, list[float]]] = {}
+    relay = Relay(RelayConfig(dsn=dsn, redis_url=redis_url, channel_prefix=prefix))
+    await relay.start()
+    await relay.wait_ready()
+    try:
+        with PgStore(dsn, max_connections=max(CLIENT_COUNTS)) as store:
+            await asyncio.to_thread(set_up_contracts, store)
+            async with (
+                RevisionCache(dsn, redis_url, channel_prefix=prefix) as cache,
+                ModelGateway(
+                    store,
+                    cache,
+                    OpenAICompatibleProvider(cache, transport_factory=instant_transport),
+                ) as gateway,
+            ):
+                await cache.get_effective(PROJECT, "policy_routing", POLICY)
+                await wait_mode(cache, "normal")
+                await asyncio.sleep(0.2)  # going normal re-verifies entries in the background
+
+                async def via_gateway(step: Step) -> None:
+                    call = ModelCall(
+                        project_id=PROJECT,
+                        run_id=step[0],
+                        step_run_id=step[1],
+                        trace_id="trace-bench",
+                        policy_id=POLICY,
+                        messages=[{"role": "user", "content": "Say hello."}],
+                        deadline_at=deadline_in(60),
+                    )
+                    result = await gateway.invoke(call)
+                    if result.completion["outcome"] != "succeeded":
+                        raise RuntimeError(f"gateway: {result.completion['outcome']}")
+
+                async def raw_pair(step: Step) -> None:
+                    command = admission_for(step[0], step[1], deadline_in(60))
+                    admitted = await asyncio.to_thread(store.admit_invocation, command)
+                    completed = await asyncio.to_thread(
+                        store.complete_invocation, completion_for(admitted)
+                    )
+                    check_completed(completed)
+
+                sides: dict[str, Callable[[Step], Awaitable[None]]] = {
+                    "gateway": via_gateway,
+                    "baseline": raw_pair,
+                }
+                for clients in CLIENT_COUNTS:
+                    per: dict[str, list[float]] = {}
+                    for once in sides.values():  # warm-up
+                        steps = await asyncio.to_thread(ready_steps, dsn, WARMUP * clients)
+                        await latencies(clients, steps, once)
+                    # Interleaved halves so that drift on a busy machine hits both sides.
+                    for order in (("baseline", "gateway"), ("gateway", "baseline")):
+                        for name in order:
+                            steps = await asyncio.to_thread(ready_steps, dsn, calls // 2)
+                            per.setdefault(name, []).extend(
+                                await latencies(clients, steps, sides[name])
+                            )
+                    results[clients] = per
+    finally:
+        await relay.stop()
+    return results
+
+
+def run(settings: Settings) -> Result:
+    calls = 200 if settings.quick else 4000
+    figures: dict[str, Any] = {}
+    baseline: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    checks: dict[str, int] = {}
+    rows: list[Row] = []
+    passed = True
+    with fresh_database(settings.base_dsn, "gateway") as dsn:
+        measured = asyncio.run(measure(dsn, settings.redis_url, calls))
+    for clients, per in measured.items():
+        key = f"{clients}_clients"
+        gw, base = per["gateway"], per["baseline"]
+        gw50, gw99 = percentile(gw, 50), percentile(gw, 99)
+        b50, b99 = percentile(base, 50), percentile(base, 99)
+        over50, over99 = gw50 - b50, gw99 - b99
+        figures[f"gateway_p50_ms_{key}"] = ms(gw50)
+        figures[f"gateway_p99_ms_{key}"] = ms(gw99)
+        figures[f"overhead_p50_ms_{key}"] = ms(over50)
+        figures[f"overhead_p99_ms_{key}"] = ms(over99)
+        baseline[f"pair_p50_ms_{key}"] = ms(b50)
+        baseline[f"pair_p99_ms_{key}"] = ms(b99)
+        ratios[f"p50_{key}"] = ratio(gw50, b50)
+        ratios[f"p99_{key}"] = ratio(gw99, b99)
+        checks[f"gateway_calls_{key}"] = len(gw)
+        checks[f"baseline_pairs_{key}"] = len(base)
+        clients_label = f"{clients} client{'s' if clients > 1 else ''}"
+        for pct, over, target, g, b in (
+            ("p50", over50, TARGET_P50_MS, gw50, b50),
+            ("p99", over99, TARGET_P99_MS, gw99, b99),
+        ):
+            ok = over * 1000.0 <= target
+            passed = passed and ok
+            rows.append(
+                Row(
+                    label=f"gateway invoke {pct}, instant provider, {clients_label}",
+                    figure=f"{ms(g):.2f} ms (overhead {ms(over):.2f} ms)",
+                    baseline=f"{ms(b):.2f} ms admit+complete via PgStore",
+                    ratio=ratios[f"{pct}_{key}"],
+                    target=f"overhead <= {target:g} ms",
+                    result=verdict(ok),
+                )
+            )
+    return Result(
+        name="gateway_overhead",
+        figures=figures,
+        baseline=baseline,
+        ratio=ratios,
+        target=(
+            f"gateway minus raw pair: p50 <= {TARGET_P50_MS:g} ms and p99 <= {TARGET_P99_MS:g}"
+            f" ms, at {' and '.join(str(c) for c in CLIENT_COUNTS)} clients"
+        ),
+        passed=passed,
+        rows=rows,
+        checks=checks,
+        notes=[
+            f"{calls} calls per side and client count, in two interleaved halves, after"
+            f" {WARMUP} warm-up calls per client; ready steps created outside the timings",
+            "provider: OpenAICompatibleProvider with ql3.stub_provider.instant_transport"
+            " (in-process, no sockets); cache in normal mode (relay heartbeats)",
+            "overhead = gateway percentile minus baseline percentile (not a per-call"
+            " difference); the ratio column is gateway / baseline",
+        ],
+    )

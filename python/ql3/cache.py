@@ -51,10 +51,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from ql3 import canonical, errors
 from ql3.db import translate
+from ql3.logs import backoff_delay
 from ql3.relay import (
     DEFAULT_CHANNEL_PREFIX,
     HEARTBEAT_NAME,
-    backoff_delay,
     heartbeat_channel,
     make_redis,
     reraise_if_cancelled,

@@ -23,9 +23,7 @@ import argparse
 import json
 import logging
 import os
-import random
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,6 +45,7 @@ from ql3 import errors
 from ql3.cli import print_json
 from ql3.db import dsn_from_env
 from ql3.invocations import format_timestamp
+from ql3.logs import backoff_delay, configure_logging
 from ql3.store import PgStore, Row
 
 MAX_LIMIT = 10000
@@ -59,39 +58,6 @@ log = logging.getLogger("ql3.recovery")
 
 def _log(level: int, event: str, **fields: Any) -> None:
     log.log(level, event, extra={"ql3": fields})
-
-
-class JsonLineFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, event, then the record's ``ql3`` fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": format_timestamp(datetime.fromtimestamp(record.created, UTC)),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "event": record.getMessage(),
-        }
-        fields = getattr(record, "ql3", None)
-        if isinstance(fields, dict):
-            doc.update(fields)
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str, ensure_ascii=False)
-
-
-def configure_logging(level: str = "info") -> None:
-    """Send every log record to stderr as a JSON line."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLineFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
-def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
-    """Capped exponential backoff with jitter: about initial * 2^(failures-1), at most cap."""
-    base = min(cap, initial * (2 ** max(0, min(failures - 1, 30))))
-    return float(base * random.uniform(0.5, 1.0))
 
 
 @dataclass(frozen=True, kw_only=True)

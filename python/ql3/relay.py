@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import signal
 import socket
 import sys
@@ -45,6 +44,8 @@ from psycopg.rows import DictRow, dict_row
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+from ql3.logs import backoff_delay, configure_logging
 
 NOTIFY_CHANNEL = "ql3_contract_outbox"
 DEFAULT_CHANNEL_PREFIX = "platform:contract:invalidate"
@@ -127,39 +128,6 @@ def make_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:
         retry=Retry(NoBackoff(), 0),
     )
     return client
-
-
-def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
-    """Capped exponential backoff with jitter: ~initial * 2^(failures-1), at most cap."""
-    base: float = min(cap, initial * (2 ** max(0, min(failures - 1, 30))))
-    return float(base * random.uniform(0.5, 1.0))
-
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, event, then the record's ``ql3`` fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": rfc3339(datetime.fromtimestamp(record.created, UTC)),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "event": record.getMessage(),
-        }
-        fields = getattr(record, "ql3", None)
-        if isinstance(fields, dict):
-            doc.update(fields)
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str, ensure_ascii=False)
-
-
-def configure_logging(level: str = "info") -> None:
-    """Send every log record to stderr as a JSON line."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def _log(level: int, event: str, **fields: Any) -> None:

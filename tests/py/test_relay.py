@@ -36,9 +36,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from ql3 import devservers
+from ql3.logs import JsonLogFormatter
 from ql3.migrate import migrate
 from ql3.relay import (
-    JsonLogFormatter,
     Relay,
     RelayConfig,
     config_from_args,

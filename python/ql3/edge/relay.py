@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ql3.edge.db import Row, utc_text
+from ql3.logs import backoff_delay
 
 if TYPE_CHECKING:
     import redis
@@ -243,9 +244,7 @@ class EdgeRelay:
                 failures += 1
                 if not isinstance(exc, DeliveryFailed):
                     log.warning("edge relay cycle failed: %s", _describe(exc))
-                delay = self._pg_relay.backoff_delay(
-                    failures, initial=self.backoff_initial, cap=self.backoff_max
-                )
+                delay = backoff_delay(failures, initial=self.backoff_initial, cap=self.backoff_max)
                 self._stop.wait(delay)
                 continue
             now = time.monotonic()

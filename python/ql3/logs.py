@@ -1,0 +1,44 @@
+"""What the daemons (relay, recovery) share: JSON-line logs and capped, jittered backoff."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+
+def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
+    """Capped exponential backoff with jitter: ~initial * 2^(failures-1), at most cap."""
+    base: float = min(cap, initial * (2 ** max(0, min(failures - 1, 30))))
+    return float(base * random.uniform(0.5, 1.0))
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event, then the record's ``ql3`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        moment = datetime.fromtimestamp(record.created, UTC)
+        doc: dict[str, Any] = {
+            "ts": moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        fields = getattr(record, "ql3", None)
+        if isinstance(fields, dict):
+            doc.update(fields)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+def configure_logging(level: str = "info") -> None:
+    """Send every log record to stderr as a JSON line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

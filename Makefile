@@ -38,7 +38,9 @@ lint: setup
 
 # Benchmarks start their own servers with PostgreSQL's durable defaults (fsync on), unlike
 # the tests; set QL3_TEST_DSN / QL3_TEST_REDIS_URL to measure existing servers instead.
+# The `bench` extra adds DBOS Transact, the peer the pairs benchmark is compared with.
 bench: setup
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(PY) -m bench
 
 clean:

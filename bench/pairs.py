@@ -7,6 +7,10 @@ beforehand by ``bench_prepare`` outside the timed window, then
 written too). pairs/s = pgbench's tps. The pairs run as ``ql3_runtime`` (PGOPTIONS
 ``-c role=ql3_runtime``). The baseline is pgbench's built-in tpcb-like in its own database
 (``pgbench -i -s 8``). Both sides: ``pgbench -M prepared -c C -j C -T S``.
+
+The peer comparison (issue 4): DBOS Transact at the same client counts in the same run,
+one workflow with one step per model call, its system database on the same server
+(``bench.dbos_pairs``); reported as "not measured: <reason>" when DBOS cannot run here.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from contextlib import suppress
 
 import psycopg
 
+from bench import dbos_pairs
 from bench.common import (
     PgbenchRun,
     Result,
@@ -34,6 +39,7 @@ from bench.common import (
 from ql3.devservers import PG_BIN
 
 TARGET_RATIO = 0.4
+TARGET_DBOS_RATIO = 4.0
 TARGET_CLIENTS = 8
 CLIENT_COUNTS = (1, 8)
 RUNTIME_ENV = {"PGOPTIONS": "-c role=ql3_runtime"}
@@ -176,6 +182,8 @@ def run(settings: Settings) -> Result:
     checks: dict[str, int] = {}
     rows: list[Row] = []
     passed: bool | None = None
+    dbos_passed: bool | None = None
+    dbos_reason: str | None = dbos_pairs.available()
     tpcb_db = f"bench_tpcb_{os.getpid()}"
     with (
         fresh_database(settings.base_dsn, "pairs") as dsn,
@@ -212,15 +220,47 @@ def run(settings: Settings) -> Result:
                 if clients == TARGET_CLIENTS:
                     ok = ratios[key] >= TARGET_RATIO
                     passed = ok
+                plural = "s" if clients > 1 else ""
                 rows.append(
                     Row(
-                        label=f"admit+complete pairs/s, {clients} client"
-                        + ("s" if clients > 1 else ""),
+                        label=f"admit+complete pairs/s, {clients} client{plural}",
                         figure=f"{pair.tps:,.0f} /s",
                         baseline=f"{tpcb.tps:,.0f} /s pgbench tpcb-like",
                         ratio=ratios[key],
                         target=f"ratio >= {TARGET_RATIO}" if ok is not None else "none",
                         result=verdict(ok),
+                    )
+                )
+                dbos: dbos_pairs.DbosRun | None = None
+                if dbos_reason is None:
+                    try:
+                        dbos = dbos_pairs.measure(settings.base_dsn, [clients], seconds)[clients]
+                    except dbos_pairs.NotMeasured as exc:
+                        dbos_reason = str(exc)
+                dbos_ok: bool | None = None
+                if dbos is not None:
+                    baseline[f"dbos_one_step_workflows_per_s_{key}"] = dbos.per_s
+                    ratios[f"pairs_over_dbos_{key}"] = ratio(pair.tps, dbos.per_s)
+                    checks[f"dbos_workflows_{key}"] = dbos.workflows
+                    if clients == TARGET_CLIENTS:
+                        dbos_ok = ratios[f"pairs_over_dbos_{key}"] >= TARGET_DBOS_RATIO
+                        dbos_passed = dbos_ok
+                rows.append(
+                    Row(
+                        label=f"admit+complete pairs/s vs DBOS, {clients} client{plural}",
+                        figure=f"{pair.tps:,.0f} /s",
+                        baseline=(
+                            f"{dbos.per_s:,.0f} /s DBOS one-step workflows"
+                            if dbos is not None
+                            else f"DBOS not measured: {dbos_reason}"
+                        ),
+                        ratio=None if dbos is None else ratios[f"pairs_over_dbos_{key}"],
+                        target=(
+                            f"ratio >= {TARGET_DBOS_RATIO:g}"
+                            if clients == TARGET_CLIENTS and dbos is not None
+                            else "none"
+                        ),
+                        result=verdict(dbos_ok),
                     )
                 )
         finally:
@@ -229,12 +269,17 @@ def run(settings: Settings) -> Result:
                 psycopg.connect(settings.base_dsn, autocommit=True) as conn,
             ):
                 conn.execute(f'DROP DATABASE IF EXISTS "{tpcb_db}" WITH (FORCE)')
+    if passed is not None and dbos_passed is not None:
+        passed = passed and dbos_passed
     return Result(
         name="pairs",
         figures=figures,
         baseline=baseline,
         ratio=ratios,
-        target=f"pairs/s >= {TARGET_RATIO} x pgbench tpcb-like TPS at {TARGET_CLIENTS} clients",
+        target=(
+            f"pairs/s >= {TARGET_RATIO} x pgbench tpcb-like TPS and >= {TARGET_DBOS_RATIO:g} x DBOS"
+            f" one-step workflows/s at {TARGET_CLIENTS} clients (DBOS when measured)"
+        ),
         passed=passed,
         rows=rows,
         checks=checks,
@@ -244,6 +289,12 @@ def run(settings: Settings) -> Result:
             " database (pgbench -i -s 8)",
             "a pair = admit_invocation + complete_invocation (succeeded, with usage) of a ready"
             " model step created before the timed window; completions written = pairs",
-            "the issue's DBOS comparison is not measured: DBOS is not installed here",
+            (
+                f"DBOS Transact {dbos_pairs.version()}: one workflow with one step (no I/O) per"
+                " model call, C threads through its synchronous API, system database on the same"
+                f" server, {seconds} s after a {dbos_pairs.WARMUP_SECONDS:g} s warm-up"
+                if dbos_reason is None
+                else f"DBOS comparison not measured: {dbos_reason}"
+            ),
         ],
     )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +55,49 @@ def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
     assert drain["checks"]["outbox_undelivered_after"] == 0
     assert drain["checks"]["subscriber_received_relay"] == drain["figures"]["events"]
     assert isinstance(drain["pass"], bool)
+
+
+def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
+    base_dsn: str, redis_url: str, tmp_path: Path
+) -> None:
+    results = tmp_path / "latest.json"
+    env = dict(os.environ, QL3_TEST_DSN=base_dsn, QL3_TEST_REDIS_URL=redis_url)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "pairs", "--results", str(results)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    pairs = json.loads(results.read_text())["benchmarks"]["pairs"]
+    for clients in (1, 8):
+        assert positive(pairs["figures"][f"pairs_per_s_{clients}_clients"])
+        assert positive(pairs["baseline"][f"pgbench_tpcb_like_tps_{clients}_clients"])
+        assert pairs["checks"][f"completions_written_{clients}_clients"] > 0
+    assert isinstance(pairs["pass"], bool)
+    dbos_rows = [row for row in pairs["rows"] if "vs DBOS" in row["label"]]
+    assert len(dbos_rows) == 2
+    if importlib.util.find_spec("dbos") is None:
+        # Not installed here (the `bench` extra): the row says so instead of failing the run.
+        for row in dbos_rows:
+            assert row["baseline"].startswith("DBOS not measured: ")
+            assert row["ratio"] is None
+    else:
+        for clients in (1, 8):
+            assert positive(pairs["baseline"][f"dbos_one_step_workflows_per_s_{clients}_clients"])
+            assert positive(pairs["ratio"][f"pairs_over_dbos_{clients}_clients"])
+            assert pairs["checks"][f"dbos_workflows_{clients}_clients"] > 0
+
+
+def test_dbos_baseline_reports_why_it_is_not_measured_when_dbos_is_missing(
+    base_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench import dbos_pairs
+
+    monkeypatch.setattr(dbos_pairs, "PACKAGE", "ql3_no_such_package")
+    with pytest.raises(dbos_pairs.NotMeasured, match="not installed"):
+        dbos_pairs.measure(base_dsn, [1], 1.0)

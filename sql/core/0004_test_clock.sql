@@ -1,8 +1,8 @@
 -- The clock of the invocation receipts, as one function a test can pin (SPEC sections 10
 -- and 11: with a pinned clock the SQLite shim and PostgreSQL write byte-identical records).
 --
--- ql3._now() is pg_catalog.now(), the transaction's start time, exactly what the ql3_ai
--- functions used before ql3_ai 0002 switched them to this function: admitted_at,
+-- ql3._now() is pg_catalog.now(), the transaction's start time. The ql3_ai functions
+-- (which require this migration) read every clock value through it: admitted_at,
 -- completed_at, resolved_at and the clock recover_expired compares deadlines with.
 --
 -- Why a function body and not a setting or a table: any role can SET a custom GUC, and a

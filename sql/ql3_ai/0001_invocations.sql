@@ -1,4 +1,4 @@
--- requires: core 0003
+-- requires: core 0004
 -- Durable model invocations (SPEC section 4; seed ADR-0168, usage ledger ADR-0170).
 --
 -- An invocation is a receipt chain on a model step, never a second state machine:
@@ -620,7 +620,7 @@ BEGIN
     END IF;
 
     UPDATE ql3.runs AS r
-    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
     WHERE r.run_id = admit_invocation.run_id
     RETURNING * INTO run;
     IF (run.project_id, run.trace_id) IS DISTINCT FROM (command ->> 'project_id', command ->> 'trace_id') THEN
@@ -643,7 +643,7 @@ BEGIN
             '"project_id":%s,"provider":%s,"request_digest":%s,"request_id":%s,"run_event_seq":%s,'
             '"run_id":%s,"run_version":%s,"schema":"ql3/model-invocation-start@v1","step_run_id":%s,'
             '"step_run_version":%s,"trace_id":%s}',
-            ql3_ai._utc(now()), step.attempt_count + 1, command_digest, command -> 'deadline_at', ids[3],
+            ql3_ai._utc(ql3._now()), step.attempt_count + 1, command_digest, command -> 'deadline_at', ids[3],
             ids[2], input_bytes, command -> 'invocation_id', command -> 'model', ids[1], policy_text,
             command -> 'project_id', command -> 'provider', command -> 'request_digest', command -> 'request_id',
             run.event_seq, command -> 'run_id', run.version, command -> 'step_run_id', step.version + 1,
@@ -683,7 +683,7 @@ BEGIN
             'mutation_id', ids[1],
             'event_id', ids[2],
             'dedupe_key', ids[3],
-            'admitted_at', ql3_ai._utc(now())
+            'admitted_at', ql3_ai._utc(ql3._now())
         );
         start_digest := ql3_ai._checked_digest('start record', 'ql3/model-invocation-start@v1', receipt);
         result := jsonb_build_object('status', 'created', 'start', receipt, 'start_digest', start_digest);
@@ -697,7 +697,7 @@ BEGIN
         invocation_id, command ->> 'request_id', command ->> 'project_id', run_id, step_run_id,
         command ->> 'trace_id', step.attempt_count + 1, command ->> 'provider', command ->> 'model',
         policy_family, policy_contract, policy_revision, command ->> 'request_digest', deadline_at,
-        input_bytes, command_digest, receipt, start_digest, ids[1], ids[2], ids[3], now()
+        input_bytes, command_digest, receipt, start_digest, ids[1], ids[2], ids[3], ql3._now()
     )
     ON CONFLICT ON CONSTRAINT model_invocation_starts_pkey DO NOTHING;
     IF NOT found THEN
@@ -710,7 +710,7 @@ BEGIN
     END IF;
     UPDATE ql3.step_runs AS s
     SET status = 'running', version = s.version + 1, attempt_count = s.attempt_count + 1,
-        current_invocation_id = admit_invocation.invocation_id, updated_at = now()
+        current_invocation_id = admit_invocation.invocation_id, updated_at = ql3._now()
     WHERE s.step_run_id = admit_invocation.step_run_id;
     INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
     VALUES (run_id, run.event_seq, ids[2], 'model_invocation_admitted', step_run_id,
@@ -763,7 +763,7 @@ BEGIN
         output_ref := 'model-invocation:' || invocation_id;
     END IF;
     UPDATE ql3.runs AS r
-    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
     WHERE r.run_id = start.run_id
     RETURNING * INTO run;
     output_bytes := (command ->> 'output_bytes')::bigint;
@@ -783,7 +783,7 @@ BEGIN
             '"output_ref":%s,"project_id":%s,"provider":%s,"recovered":%s,"result_code":%s,"run_event_seq":%s,'
             '"run_id":"%s","run_version":%s,"schema":"ql3/model-invocation-completion@v1","start_digest":%s,'
             '"step_run_id":"%s","step_run_version":%s,"trace_id":%s,"usage":%s}',
-            start.attempt, to_json(command_digest), ql3_ai._utc(now()), dedupe_key, event_id,
+            start.attempt, to_json(command_digest), ql3_ai._utc(ql3._now()), dedupe_key, event_id,
             to_json(invocation_id), to_json(start.model), mutation_id, coalesce(to_json(outcome)::text, 'null'),
             coalesce(output_bytes::text, 'null'), coalesce(to_json(command ->> 'output_digest')::text, 'null'),
             coalesce(to_json(output_ref)::text, 'null'), to_json(start.project_id), to_json(start.provider),
@@ -836,7 +836,7 @@ BEGIN
             'mutation_id', mutation_id,
             'event_id', event_id,
             'dedupe_key', dedupe_key,
-            'completed_at', ql3_ai._utc(now())
+            'completed_at', ql3_ai._utc(ql3._now())
         );
         completion_digest := ql3_ai._checked_digest(
             'completion record', 'ql3/model-invocation-completion@v1', receipt);
@@ -852,7 +852,7 @@ BEGIN
         invocation_id, start.start_digest, start.project_id, start.run_id, start.step_run_id, outcome,
         result_code, output_bytes, command ->> 'output_digest', input_tokens,
         output_tokens, cost_micros, currency, recovered, command_digest, receipt, completion_digest,
-        mutation_id, event_id, dedupe_key, now()
+        mutation_id, event_id, dedupe_key, ql3._now()
     );
     IF coalesce(input_tokens, output_tokens, cost_micros) IS NOT NULL OR currency IS NOT NULL THEN
         INSERT INTO ql3_ai.usage_ledger (
@@ -860,12 +860,12 @@ BEGIN
             currency, outcome, completion_digest, recorded_at
         ) VALUES (
             invocation_id, start.project_id, start.run_id, start.provider, start.model, input_tokens,
-            output_tokens, cost_micros, currency, outcome, completion_digest, now()
+            output_tokens, cost_micros, currency, outcome, completion_digest, ql3._now()
         );
     END IF;
     UPDATE ql3.step_runs AS s
     SET status = _write_completion.outcome, version = s.version + 1, output_ref = _write_completion.output_ref,
-        result_code = _write_completion.result_code, updated_at = now()
+        result_code = _write_completion.result_code, updated_at = ql3._now()
     WHERE s.step_run_id = start.step_run_id;
     INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
     VALUES (start.run_id, run.event_seq, event_id, 'model_invocation_completed', start.step_run_id,
@@ -1182,7 +1182,7 @@ BEGIN
     END IF;
 
     UPDATE ql3.runs AS r
-    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
     WHERE r.run_id = start.run_id
     RETURNING * INTO run;
     ids := ql3_ai._identities(invocation_id, 'resolution');
@@ -1210,7 +1210,7 @@ BEGIN
         'mutation_id', mutation_id,
         'event_id', event_id,
         'dedupe_key', dedupe_key,
-        'resolved_at', ql3_ai._utc(now())
+        'resolved_at', ql3_ai._utc(ql3._now())
     );
     resolution_digest := ql3_ai._checked_digest(
         'resolution record', 'ql3/model-invocation-resolution@v1', receipt);
@@ -1221,14 +1221,14 @@ BEGIN
     ) VALUES (
         invocation_id, completion.completion_digest, start.run_id, start.step_run_id, decision,
         command ->> 'user_id', command ->> 'reason', command_digest, receipt, resolution_digest,
-        mutation_id, event_id, dedupe_key, now()
+        mutation_id, event_id, dedupe_key, ql3._now()
     );
     -- retry clears the old result (the next admission needs a new invocation_id, its
     -- start raises attempt_count); fail and cancel keep the invocation that ended it.
     UPDATE ql3.step_runs AS s
     SET status = new_status, version = s.version + 1, output_ref = NULL, result_code = new_result_code,
         current_invocation_id = CASE WHEN new_status = 'ready' THEN NULL ELSE s.current_invocation_id END,
-        updated_at = now()
+        updated_at = ql3._now()
     WHERE s.step_run_id = start.step_run_id;
     INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
     VALUES (start.run_id, run.event_seq, event_id, 'model_invocation_resolved', start.step_run_id,
@@ -1274,7 +1274,7 @@ BEGIN
         FROM ql3.step_runs AS s
         INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
         WHERE s.status = 'running'
-          AND st.deadline_at + p_grace < now()
+          AND st.deadline_at + p_grace < ql3._now()
           AND NOT EXISTS (
               SELECT 1 FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = st.invocation_id
           )

@@ -798,61 +798,18 @@ def test_no_ql3_role_can_pin_the_postgresql_clock(db_dsn: str, role: str) -> Non
         assert row == (True,)
 
 
-def _function_texts(text: str, names: list[str], create: str) -> dict[str, str]:
-    found: dict[str, str] = {}
-    for name in names:
-        start = text.index(f"{create} ql3_ai.{name}(")
-        end = len(text)
-        for marker in ("COMMENT ON FUNCTION", "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"):
-            at = text.find(marker, start + len(create))
-            if at >= 0:
-                end = min(end, at)
-        found[name] = text[start:end].strip()
-    return found
-
-
-CLOCK_FUNCTIONS = ["admit_invocation", "_write_completion", "resolve_invocation", "recover_expired"]
 AI_0001 = REPO / "sql/ql3_ai/0001_invocations.sql"
-AI_0002 = REPO / "sql/ql3_ai/0002_test_clock.sql"
-REGENERATE = (
-    "cd tests/py && ../../.venv/bin/python -c "
-    "'import test_conformance as t; t.regenerate_ql3_ai_0002()'"
-)
 
 
-def regenerate_ql3_ai_0002() -> None:
-    """Rewrite ql3_ai 0002 from 0001 (while 0001 is unreleased and still changing)."""
-    first = AI_0001.read_text(encoding="utf-8")
-    second = AI_0002.read_text(encoding="utf-8")
-    header = second[: second.index("CREATE OR REPLACE FUNCTION")]
-    bodies = _function_texts(first, CLOCK_FUNCTIONS, "CREATE FUNCTION")
-    rewritten = [
-        bodies[name]
-        .replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
-        .replace("now()", "ql3._now()")
-        + "\n"
-        for name in CLOCK_FUNCTIONS
-    ]
-    AI_0002.write_text(header + "\n".join(rewritten), encoding="utf-8")
-
-
-def test_ql3_ai_0002_only_swaps_now_for_the_pinnable_clock() -> None:
-    first = AI_0001.read_text(encoding="utf-8")
-    second = AI_0002.read_text(encoding="utf-8")
-    old = _function_texts(first, CLOCK_FUNCTIONS, "CREATE FUNCTION")
-    new = _function_texts(second, CLOCK_FUNCTIONS, "CREATE OR REPLACE FUNCTION")
-    for name in CLOCK_FUNCTIONS:
-        rewritten = old[name].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
-        assert new[name] == rewritten.replace("now()", "ql3._now()"), (
-            f"ql3_ai 0002 is stale: {name} changed in 0001 (0002 replaces it on every "
-            f"migrated database). Regenerate it: {REGENERATE}"
-        )
-        assert "now()" not in new[name].replace("ql3._now()", ""), name
-    assert re.findall(r"CREATE OR REPLACE FUNCTION ql3_ai\.(\w+)\(", second) == CLOCK_FUNCTIONS
-    others = re.findall(r"CREATE FUNCTION ql3_ai\.(\w+)\(", first)
-    for name, text in _function_texts(first, [n for n in others if n not in CLOCK_FUNCTIONS],
-                                      "CREATE FUNCTION").items():  # fmt: skip
-        assert "now()" not in text, f"{name} reads the clock: ql3_ai 0002 must replace it too"
+def test_ql3_ai_reads_the_clock_only_through_the_pinnable_ql3_now() -> None:
+    """Pinning ql3._now() (D14) must move every receipt timestamp, so no bare now()."""
+    text = AI_0001.read_text(encoding="utf-8")
+    assert text.startswith("-- requires: core 0004"), "ql3._now() is created by core 0004"
+    assert "ql3._now()" in text
+    clocks = r"(?<![\w.])(?:now|clock_timestamp|statement_timestamp|transaction_timestamp)\s*\("
+    clocks += r"|\b(?:current_timestamp|localtimestamp)\b"
+    bare = re.findall(clocks, text.replace("ql3._now()", ""), flags=re.IGNORECASE)
+    assert bare == [], "ql3_ai must read the clock through ql3._now()"
 
 
 def test_edge_migrations_keep_the_postgresql_versions() -> None:

@@ -85,7 +85,7 @@ def test_ai_on_later_adds_its_tables_with_its_own_ledger(db_path: Path) -> None:
         assert store.ready().ok
     assert tables(db_path) == CORE_TABLES | AI_TABLES
     assert rows(db_path, "SELECT stream, version, name FROM ql3_ai_feature_history") == [
-        ("ql3_ai", 1, "invocations"), ("ql3_ai", 2, "test_clock"),
+        ("ql3_ai", 1, "invocations"),
     ]  # fmt: skip
     assert rows(db_path, "SELECT count(*) FROM schema_history") == [(4,)]
     checksums = rows(db_path, "SELECT checksum FROM ql3_ai_feature_history ORDER BY version")
@@ -129,28 +129,34 @@ def _copy_tree(tmp_path: Path, keep: dict[str, int]) -> Path:
 def test_edited_migrations_and_a_file_ahead_of_the_code_are_refused(
     db_path: Path, tmp_path: Path
 ) -> None:
-    root = _copy_tree(tmp_path, {"core": 4, "ql3_ai": 2})
+    root = _copy_tree(tmp_path, {"core": 4, "ql3_ai": 1})
     db = Database(str(db_path), journal_mode="wal", busy_timeout_ms=1000, clock=None)
     try:
-        assert len(migrate_edge(db, ai=True, sql_root=root)) == 6
+        assert len(migrate_edge(db, ai=True, sql_root=root)) == 5
         edited = root / "core" / "0003_runs.sql"
         edited.write_text(edited.read_text() + "\n-- edited\n")
         with pytest.raises(errors.MigrationError, match="checksum drift in core version 3"):
             migrate_edge(db, ai=True, sql_root=root)
         assert not ready_report(db, ai=True, sql_root=root).ok
-        shorter = _copy_tree(tmp_path / "shorter", {"core": 4, "ql3_ai": 1})
+        shorter = _copy_tree(tmp_path / "shorter", {"core": 4, "ql3_ai": 0})
         with pytest.raises(errors.MigrationError, match="database is ahead of the code"):
             migrate_edge(db, ai=True, sql_root=shorter)
     finally:
         db.close()
 
 
-def test_core_and_ai_migrations_interleave_across_restarts(db_path: Path, tmp_path: Path) -> None:
-    steps = [
-        ({"core": 3}, False),
-        ({"core": 3, "ql3_ai": 1}, True),
-        ({"core": 4, "ql3_ai": 2}, True),
-    ]
+def test_core_and_ai_migrations_apply_across_restarts_in_requirement_order(
+    db_path: Path, tmp_path: Path
+) -> None:
+    # ql3_ai 0001 requires core 0004: with only core 1-3 in the code it must wait.
+    db = Database(str(db_path), journal_mode="delete", busy_timeout_ms=1000, clock=None)
+    try:
+        early = _copy_tree(tmp_path / "early", {"core": 3, "ql3_ai": 1})
+        with pytest.raises(errors.MigrationError, match="requires core 0004"):
+            migrate_edge(db, ai=True, sql_root=early)
+    finally:
+        db.close()
+    steps = [({"core": 3}, False), ({"core": 4, "ql3_ai": 1}, True)]
     applied: list[tuple[str, int]] = []
     for n, (keep, ai) in enumerate(steps):
         root = _copy_tree(tmp_path / f"r{n}", keep)
@@ -160,8 +166,7 @@ def test_core_and_ai_migrations_interleave_across_restarts(db_path: Path, tmp_pa
             assert ready_report(db, ai=ai, sql_root=root).ok
         finally:
             db.close()
-    assert applied == [("core", 1), ("core", 2), ("core", 3), ("ql3_ai", 1), ("core", 4),
-                       ("ql3_ai", 2)]  # fmt: skip
+    assert applied == [("core", 1), ("core", 2), ("core", 3), ("core", 4), ("ql3_ai", 1)]
     with EdgeStore(db_path, "delete") as store:
         assert store.ready().ok
 

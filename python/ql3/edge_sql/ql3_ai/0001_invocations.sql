@@ -1,4 +1,4 @@
--- requires: core 0003
+-- requires: core 0004
 -- ql3_ai 0001 on SQLite: durable model invocations (SPEC section 4), the same four
 -- immutable receipt tables as sql/ql3_ai/0001_invocations.sql (types as in core 0002).
 -- Created only when the store is opened with ai=True; its ledger is

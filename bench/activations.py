@@ -4,11 +4,19 @@ Each pgbench client owns one contract and flips it between its two revisions, so
 transaction changes the pointer and appends one outbox row (checked by counting rows). The
 baseline inserts one row into a plain logged table with an identity primary key. Same
 client count, same threads, same duration, same protocol, same server settings.
+
+Two ways to activate are measured (D17). The figure judged against the target is what
+ql3's Python driver (``PgStore.activate_revision``) sends: the activation in a transaction
+with ``ql3.outbox_notify = deferred``, then ``ql3.wake_relays()`` after its COMMIT. The
+diagnostic row is a bare ``SELECT ql3.activate_revision(...)`` as from psql, whose outbox
+trigger NOTIFYs inside the transaction: PostgreSQL then holds its notification lock through
+the WAL flush, so those commits cannot share a group commit (D16).
 """
 
 from __future__ import annotations
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 from bench.common import (
     ACTOR,
@@ -24,13 +32,14 @@ from bench.common import (
     ratio,
     verdict,
 )
+from ql3.db import DEFERRED_NOTIFY_OPTION
 
 TARGET_RATIO = 0.5
 CLIENT_COUNTS = (8, 1)
 
 INSERT_SCRIPT = "INSERT INTO bench_insert (v) VALUES (1);\n"
 
-ACTIVATE_SCRIPT = f"""\
+ACTIVATE_CALL = f"""\
 SELECT ql3.activate_revision(
     '{PROJECT}', '{FAMILY}', c.contract_id,
     CASE WHEN a.active_revision_id = c.rev1 THEN c.rev2 ELSE c.rev1 END,
@@ -41,6 +50,20 @@ INNER JOIN ql3.active_revisions AS a
    AND a.contract_id = c.contract_id
 WHERE c.client_id = :client_id;
 """
+
+# As psql or any client calling the SQL function: NOTIFY inside the transaction.
+ACTIVATE_SCRIPT = ACTIVATE_CALL
+
+# As PgStore.activate_revision, on a connection opened with DEFERRED_NOTIFY_OPTION: the
+# activation commits without a NOTIFY, then one wake in a transaction of its own.
+DRIVER_SCRIPT = f"""\
+{ACTIVATE_CALL}SELECT ql3.wake_relays();
+"""
+
+
+def driver_dsn(dsn: str) -> str:
+    """The DSN as PgStore's pool connects: outbox NOTIFYs deferred."""
+    return make_conninfo(dsn, options=DEFERRED_NOTIFY_OPTION)
 
 
 def _count(dsn: str, sql: str) -> int:
@@ -71,10 +94,12 @@ def _prepare(dsn: str, clients: int) -> None:
         conn.execute("VACUUM ANALYZE")
 
 
-def _measured(dsn: str, script: str, table: str, clients: int, seconds: int) -> PgbenchRun:
+def _measured(
+    dsn: str, script: str, table: str, clients: int, seconds: int, *, connect: str | None = None
+) -> PgbenchRun:
     """One pgbench run; raises unless every transaction wrote exactly one row."""
     before = _count(dsn, f"SELECT count(*) FROM {table}")
-    run = pgbench(dsn, script, clients=clients, seconds=seconds)
+    run = pgbench(connect or dsn, script, clients=clients, seconds=seconds)
     written = _count(dsn, f"SELECT count(*) FROM {table}") - before
     if run.failed or written != run.transactions:
         raise RuntimeError(
@@ -95,27 +120,46 @@ def run(settings: Settings) -> Result:
     with fresh_database(settings.base_dsn, "activations") as dsn:
         _prepare(dsn, max(CLIENT_COUNTS))
         for clients in CLIENT_COUNTS:
-            # Warm both paths (plans, buffers) before the measured runs.
+            # Warm every path (plans, buffers) before the measured runs.
             pgbench(dsn, INSERT_SCRIPT, clients=clients, seconds=1)
+            pgbench(driver_dsn(dsn), DRIVER_SCRIPT, clients=clients, seconds=1)
             pgbench(dsn, ACTIVATE_SCRIPT, clients=clients, seconds=1)
             insert = _measured(dsn, INSERT_SCRIPT, "bench_insert", clients, seconds)
-            act = _measured(dsn, ACTIVATE_SCRIPT, "ql3.contract_outbox", clients, seconds)
+            driver = _measured(
+                dsn, DRIVER_SCRIPT, "ql3.contract_outbox", clients, seconds, connect=driver_dsn(dsn)
+            )
+            plain = _measured(dsn, ACTIVATE_SCRIPT, "ql3.contract_outbox", clients, seconds)
             key = f"{clients}_clients"
-            figures[f"activations_per_s_{key}"] = round(act.tps, 1)
+            plural = "s" if clients > 1 else ""
+            figures[f"activations_per_s_{key}"] = round(driver.tps, 1)
+            figures[f"activations_notify_in_transaction_per_s_{key}"] = round(plain.tps, 1)
             baseline[f"pgbench_insert_tps_{key}"] = round(insert.tps, 1)
-            ratios[key] = ratio(act.tps, insert.tps)
-            checks[f"activation_transactions_{key}"] = act.transactions
-            checks[f"outbox_rows_written_{key}"] = act.transactions
+            ratios[key] = ratio(driver.tps, insert.tps)
+            ratios[f"notify_in_transaction_{key}"] = ratio(plain.tps, insert.tps)
+            checks[f"activation_transactions_{key}"] = driver.transactions
+            checks[f"outbox_rows_written_{key}"] = driver.transactions
+            checks[f"notify_in_transaction_transactions_{key}"] = plain.transactions
             ok = ratios[key] >= TARGET_RATIO
             passed = passed and ok
+            base_text = f"{insert.tps:,.0f} /s pgbench single INSERT"
             rows.append(
                 Row(
-                    label=f"activations/s, {clients} client{'s' if clients > 1 else ''}",
-                    figure=f"{act.tps:,.0f} /s",
-                    baseline=f"{insert.tps:,.0f} /s pgbench single INSERT",
+                    label=f"activations/s, {clients} client{plural} (driver: NOTIFY after COMMIT)",
+                    figure=f"{driver.tps:,.0f} /s",
+                    baseline=base_text,
                     ratio=ratios[key],
                     target=f"ratio >= {TARGET_RATIO}",
                     result=verdict(ok),
+                )
+            )
+            rows.append(
+                Row(
+                    label=f"activations/s, {clients} client{plural}, NOTIFY in transaction (psql)",
+                    figure=f"{plain.tps:,.0f} /s",
+                    baseline=base_text,
+                    ratio=ratios[f"notify_in_transaction_{key}"],
+                    target="(diagnostic)",
+                    result="n/a",
                 )
             )
     return Result(
@@ -123,12 +167,17 @@ def run(settings: Settings) -> Result:
         figures=figures,
         baseline=baseline,
         ratio=ratios,
-        target=f"activations/s >= {TARGET_RATIO} x pgbench single-insert TPS, at 8 and 1 clients",
+        target=(
+            f"activations/s (as the Python driver sends them) >= {TARGET_RATIO} x pgbench"
+            " single-insert TPS, at 8 and 1 clients"
+        ),
         passed=passed,
         rows=rows,
         checks=checks,
         notes=[
-            f"pgbench -n -f SCRIPT -c C -j C -T {seconds} for both sides, after a 1 s warm-up",
+            f"pgbench -n -f SCRIPT -c C -j C -T {seconds} for every side, after 1 s warm-ups",
+            "driver: connection option -c ql3.outbox_notify=deferred (as PgStore's pool);"
+            " script: SELECT ql3.activate_revision(...); SELECT ql3.wake_relays()",
             "every activation transaction wrote one outbox row (row count = transaction count)",
         ],
     )

@@ -79,16 +79,24 @@ def connect(
         )
 
 
+# Outbox writes on ql3's own connections skip the in-transaction NOTIFY; the caller wakes
+# the relays after COMMIT with ql3.wake_relays() (D17, PgStore._outbox_write).
+DEFERRED_NOTIFY_OPTION = "-c ql3.outbox_notify=deferred"
+
+
 def make_pool(
     conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
 ) -> ConnectionPool:
-    """A connection pool whose connections carry ql3's timeouts."""
+    """A connection pool whose connections carry ql3's timeouts and defer outbox NOTIFYs."""
     t = timeouts or Timeouts()
     return ConnectionPool(
         conninfo,
         min_size=min_size,
         max_size=max_size,
-        kwargs={"connect_timeout": t.connect_s, "options": t.options()},
+        kwargs={
+            "connect_timeout": t.connect_s,
+            "options": f"{t.options()} {DEFERRED_NOTIFY_OPTION}",
+        },
         timeout=float(t.connect_s),
         open=True,
     )

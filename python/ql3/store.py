@@ -6,11 +6,13 @@ contract); rows come back as dicts with uuids as strings. Errors are ``ql3.error
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from psycopg import Connection
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -19,6 +21,7 @@ from psycopg_pool import ConnectionPool
 from ql3.db import Timeouts, make_pool, translated
 
 Row = dict[str, Any]
+_log = logging.getLogger("ql3.store")
 ContractKey = tuple[str, str, str]
 
 
@@ -108,21 +111,42 @@ class PgStore:
         expected_active_revision_id: str | None = None,
     ) -> Row | None:
         """Makes the revision active; the outbox event, or None when it already was."""
-        return _null_row(
-            self._row(
-                "SELECT * FROM ql3.activate_revision(%s, %s, %s, %s::uuid, %s, %s::uuid)",
-                (project_id, contract_family, contract_id, revision_id, actor,
-                 expected_active_revision_id),
-            )
+        return self._outbox_write(
+            "SELECT * FROM ql3.activate_revision(%s, %s, %s, %s::uuid, %s, %s::uuid)",
+            (project_id, contract_family, contract_id, revision_id, actor,
+             expected_active_revision_id),
         )  # fmt: skip
 
     def revoke_revision(self, revision_id: str, actor: str, reason: str) -> Row | None:
         """Revokes for good; the outbox event, or None when it was already revoked."""
-        return _null_row(
-            self._row(
-                "SELECT * FROM ql3.revoke_revision(%s::uuid, %s, %s)", (revision_id, actor, reason)
-            )
+        return self._outbox_write(
+            "SELECT * FROM ql3.revoke_revision(%s::uuid, %s, %s)", (revision_id, actor, reason)
         )
+
+    def _outbox_write(self, sql: str, params: Sequence[Any]) -> Row | None:
+        """Runs a call that may append an outbox row, then wakes the relays (D17).
+
+        PgStore's own connections set ``ql3.outbox_notify = deferred``, so the call's COMMIT
+        does not hold PostgreSQL's notification lock through the WAL flush; once it has
+        committed, ``ql3.wake_relays()`` wakes the relays in a transaction of its own. A lost
+        wake (the connection drops in between) costs latency only: the relays' poll
+        delivers the row. On a pool of your own without that setting, the outbox trigger
+        NOTIFYs at COMMIT as well, which is correct, only slower under concurrency.
+        """
+        with translated(), self.pool.connection() as conn:
+            was_autocommit = conn.autocommit
+            conn.autocommit = True  # two one-statement transactions, no BEGIN/COMMIT trips
+            try:
+                event = _null_row(next(iter(self._rows_on(conn, sql, params)), None))
+                if event is not None:
+                    try:
+                        conn.execute("SELECT ql3.wake_relays()")
+                    except psycopg.Error as exc:
+                        _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
+            finally:
+                if not conn.closed:
+                    conn.autocommit = was_autocommit
+        return event
 
     def active_revision(
         self, project_id: str, contract_family: str, contract_id: str

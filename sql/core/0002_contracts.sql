@@ -156,6 +156,10 @@ CREATE TRIGGER contract_outbox_no_truncate
 BEFORE TRUNCATE ON ql3.contract_outbox
 FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
 
+-- A notifying COMMIT holds a cluster-wide lock until its WAL is flushed, so notifying
+-- transactions cannot share a group commit (D16, D17). A transaction that sets
+-- ql3.outbox_notify = 'deferred' skips this trigger (its WHEN clause) and promises to call
+-- ql3.wake_relays() after its COMMIT; if it never does, the relays' poll finds the row.
 CREATE FUNCTION ql3._notify_outbox() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, ql3
@@ -168,11 +172,35 @@ END;
 $$;
 
 COMMENT ON FUNCTION ql3._notify_outbox() IS
-'Trigger: wakes relays; PostgreSQL delivers the notification at COMMIT only.';
+'Trigger: wakes relays at COMMIT (not called when ql3.outbox_notify = deferred).';
+
+CREATE FUNCTION ql3.wake_relays() RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    -- The notification carries no data, so this transaction need not wait for a WAL flush:
+    -- it holds the notification lock for microseconds instead of a whole fsync. That is
+    -- only safe in a transaction that writes nothing, hence the check.
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = 'QL3_INVALID_ARGUMENT: ql3.wake_relays() must run in a transaction of its own, '
+            || 'after the COMMIT it announces';
+    END IF;
+    PERFORM set_config('synchronous_commit', 'off', TRUE);
+    PERFORM pg_notify('ql3_contract_outbox', '{"wake": true}');
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.wake_relays() IS
+'Wakes relays at this COMMIT (asynchronous commit: no data). Call after committing with ql3.outbox_notify = deferred.';
 
 CREATE TRIGGER contract_outbox_notify
 AFTER INSERT ON ql3.contract_outbox
-FOR EACH ROW EXECUTE FUNCTION ql3._notify_outbox();
+FOR EACH ROW
+WHEN (current_setting('ql3.outbox_notify', TRUE) IS DISTINCT FROM 'deferred')
+EXECUTE FUNCTION ql3._notify_outbox();
 
 -- Argument checks shared by the functions below.
 
@@ -333,17 +361,26 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, ql3
 AS $$
 DECLARE
-    pointer ql3.active_revisions;
     revision ql3.contract_revisions;
+    old_revision_id uuid;
+    old_version bigint;
     event ql3.contract_outbox;
 BEGIN
-    PERFORM ql3._check_identifier('project_id', p_project_id);
-    PERFORM ql3._check_family(p_contract_family);
-    PERFORM ql3._check_identifier('contract_id', p_contract_id);
-    PERFORM ql3._check_identifier('actor', p_actor);
-    revision := ql3._revision_of(p_revision_id);
-    IF (revision.project_id, revision.contract_family, revision.contract_id)
-       IS DISTINCT FROM (p_project_id, p_contract_family, p_contract_id) THEN
+    -- Fast path: a revision of exactly this contract proves project, family and contract
+    -- valid (its row passed the same checks). Anything else takes the slow path, whose
+    -- checks run in the documented order and raise the precise error.
+    SELECT r.project_id, r.contract_family, r.contract_id
+    INTO revision.project_id, revision.contract_family, revision.contract_id
+    FROM ql3.contract_revisions AS r WHERE r.revision_id = p_revision_id;
+    IF NOT found
+       OR (revision.project_id, revision.contract_family, revision.contract_id)
+          IS DISTINCT FROM (p_project_id, p_contract_family, p_contract_id)
+       OR p_actor IS NULL OR p_actor = '' OR char_length(p_actor) > 128 THEN
+        PERFORM ql3._check_identifier('project_id', p_project_id);
+        PERFORM ql3._check_family(p_contract_family);
+        PERFORM ql3._check_identifier('contract_id', p_contract_id);
+        PERFORM ql3._check_identifier('actor', p_actor);
+        revision := ql3._revision_of(p_revision_id);
         RAISE EXCEPTION USING
             ERRCODE = 'Q3V01',
             MESSAGE = format('QL3_INVALID_ARGUMENT: revision %s belongs to %s/%s/%s, not %s/%s/%s',
@@ -351,7 +388,15 @@ BEGIN
                              revision.contract_id, p_project_id, p_contract_family, p_contract_id);
     END IF;
 
-    pointer := ql3._lock_pointer(p_project_id, p_contract_family, p_contract_id, p_actor);
+    SELECT a.active_revision_id, a.pointer_version INTO old_revision_id, old_version
+    FROM ql3.active_revisions AS a
+    WHERE a.project_id = p_project_id AND a.contract_family = p_contract_family
+      AND a.contract_id = p_contract_id
+    FOR UPDATE;
+    IF NOT found THEN
+        SELECT l.active_revision_id, l.pointer_version INTO old_revision_id, old_version
+        FROM ql3._lock_pointer(p_project_id, p_contract_family, p_contract_id, p_actor) AS l;
+    END IF;
 
     IF EXISTS (SELECT 1 FROM ql3.revision_revocations AS v WHERE v.revision_id = p_revision_id) THEN
         RAISE EXCEPTION USING
@@ -360,14 +405,14 @@ BEGIN
                              p_revision_id);
     END IF;
     IF p_expected_active_revision_id IS NOT NULL
-       AND pointer.active_revision_id IS DISTINCT FROM p_expected_active_revision_id THEN
+       AND old_revision_id IS DISTINCT FROM p_expected_active_revision_id THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3C01',
             MESSAGE = format('QL3_CONFLICT: expected active revision %s but %s is active',
-                             p_expected_active_revision_id, coalesce(pointer.active_revision_id::text, 'none')),
-            DETAIL = coalesce(pointer.active_revision_id::text, '');
+                             p_expected_active_revision_id, coalesce(old_revision_id::text, 'none')),
+            DETAIL = coalesce(old_revision_id::text, '');
     END IF;
-    IF pointer.active_revision_id = p_revision_id THEN
+    IF old_revision_id = p_revision_id THEN
         RETURN NULL;
     END IF;
 
@@ -384,7 +429,7 @@ BEGIN
          pointer_version)
     VALUES
         ('revision_activated', p_project_id, p_contract_family, p_contract_id,
-         pointer.active_revision_id, p_revision_id, pointer.pointer_version + 1)
+         old_revision_id, p_revision_id, old_version + 1)
     RETURNING * INTO event;
     RETURN event;
 END;
@@ -588,7 +633,7 @@ GRANT EXECUTE ON FUNCTION ql3.put_revision(text, text, text, jsonb, text),
 ql3.activate_revision(text, text, text, uuid, text, uuid), ql3.revoke_revision(uuid, text, text),
 ql3.active_revision(text, text, text), ql3.active_pointers(jsonb), ql3.outbox_backlog(),
 ql3._check_identifier(text, text), ql3._check_family(text), ql3._lock_pointer(text, text, text, text),
-ql3._revision_of(uuid)
+ql3._revision_of(uuid), ql3.wake_relays()
 TO ql3_operator;
 
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,

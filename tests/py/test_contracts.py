@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import psycopg
@@ -160,5 +161,41 @@ def test_failed_activation_sends_no_notification(store: PgStore, db_dsn: str) ->
         assert list(listener.notifies(timeout=0.2)) == []
         store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
         received = next(listener.notifies(timeout=5))
-    payload = canonical.parse_json(received.payload)
-    assert isinstance(payload, dict) and payload["project_id"] == "p1"
+    assert canonical.parse_json(received.payload) == {"wake": True}
+
+
+def test_activation_wakes_the_relays_once_after_its_commit(store: PgStore, db_dsn: str) -> None:
+    """The driver defers the NOTIFY (D17): one wake, sent once the outbox row is visible."""
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    r2 = store.put_revision("p1", FAMILY, "sre", {"v": 2}, "alice")
+    store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+    with psycopg.connect(db_dsn, autocommit=True) as listener:
+        listener.execute("LISTEN ql3_contract_outbox")
+        event = store.activate_revision("p1", FAMILY, "sre", r2["revision_id"], "alice")
+        assert event is not None
+        received = list(listener.notifies(timeout=0.5))
+        visible = listener.execute(
+            "SELECT count(*) FROM ql3.contract_outbox WHERE seq = %s", (event["seq"],)
+        ).fetchone()
+        again = store.activate_revision("p1", FAMILY, "sre", r2["revision_id"], "alice")
+        assert again is None
+        assert list(listener.notifies(timeout=0.3)) == []  # nothing written, nothing woken
+    assert [n.payload for n in received] == ['{"wake": true}']
+    assert visible == (1,)
+
+
+def test_a_lost_wake_does_not_fail_a_committed_activation(
+    store: PgStore, db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    caplog.set_level(logging.WARNING, logger="ql3.store")  # other tests may raise root's level
+    with psycopg.connect(db_dsn, autocommit=True) as admin:
+        admin.execute("REVOKE EXECUTE ON FUNCTION ql3.wake_relays() FROM ql3_operator")
+        try:
+            event = store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+        finally:
+            admin.execute("GRANT EXECUTE ON FUNCTION ql3.wake_relays() TO ql3_operator")
+    assert event is not None and event["new_revision_id"] == r1["revision_id"]
+    assert store.active_revision("p1", FAMILY, "sre")["revision_id"] == r1["revision_id"]  # type: ignore[index]
+    assert _count(db_dsn, "contract_outbox") == 1  # undelivered: the relay's poll finds it
+    assert "wake_relays failed after COMMIT" in caplog.text

@@ -1,0 +1,158 @@
+-- Deferred relay wake-up (D17): a transaction that sets ql3.outbox_notify = 'deferred'
+-- commits its outbox row without a NOTIFY; ql3.wake_relays(), in a transaction of its own,
+-- sends one notification with asynchronous commit and refuses to run in a transaction
+-- that has written anything. Seen from other sessions through dblink, like 04_outbox.sql.
+BEGIN;
+SELECT plan(11);
+SET LOCAL client_min_messages = warning;
+
+CREATE SCHEMA IF NOT EXISTS tests;
+
+CREATE TABLE tests.ctx (key text PRIMARY KEY, value text NOT NULL);
+INSERT INTO tests.ctx (key, value) VALUES ('project', 'tap04b-' || gen_random_uuid());
+
+CREATE FUNCTION tests.p() RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT c.value FROM tests.ctx AS c WHERE c.key = 'project';
+$$;
+
+CREATE FUNCTION tests.dsn() RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT format('host=127.0.0.1 port=%s dbname=%s user=postgres', current_setting('port'), current_database());
+$$;
+
+-- Over dblink, in the remote session's current transaction: put and activate a revision.
+CREATE FUNCTION tests.remote_activate(p_conn text, p_contract text) RETURNS bigint
+LANGUAGE sql AS $$
+    SELECT t.seq
+    FROM dblink(
+        p_conn,
+        format(
+            'SELECT (ql3.activate_revision(%1$L, ''policy_routing'', %2$L, r.revision_id, ''tap04b'')).seq
+             FROM ql3.put_revision(%1$L, ''policy_routing'', %2$L, ''{"n": 1}''::jsonb, ''tap04b'') AS r',
+            tests.p(), p_contract
+        )
+    ) AS t (seq bigint);
+$$;
+
+-- A round trip on the listening connection, then the notifications it has received.
+CREATE FUNCTION tests.poll(p_conn text) RETURNS TABLE (notify_name text, be_pid integer, extra text)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM * FROM dblink(p_conn, 'SELECT 1') AS t (one integer);
+    RETURN QUERY SELECT n.notify_name, n.be_pid, n.extra FROM dblink_get_notify(p_conn) AS n;
+END;
+$$;
+
+CREATE TABLE tests.notes (notify_name text, be_pid integer, extra text);
+
+SELECT dblink_connect('tap04b_l', tests.dsn());
+SELECT dblink_connect('tap04b_w', tests.dsn());
+SELECT dblink_exec('tap04b_l', 'LISTEN ql3_contract_outbox');
+-- Whatever other sessions left queued is not ours.
+SELECT count(*) FROM tests.poll('tap04b_l');
+
+-- A deferred activation commits its row but notifies nobody ---------------------------------
+
+SELECT dblink_exec('tap04b_w', 'BEGIN');
+SELECT dblink_exec('tap04b_w', 'SET LOCAL ql3.outbox_notify = deferred');
+INSERT INTO tests.ctx (key, value) VALUES ('seq', tests.remote_activate('tap04b_w', 'deferred')::text);
+SELECT dblink_exec('tap04b_w', 'COMMIT');
+
+SELECT is(
+    (SELECT count(*) FROM tests.poll('tap04b_l')),
+    0::bigint,
+    'a committed activation with ql3.outbox_notify = deferred notifies nobody'
+);
+
+SELECT is(
+    (SELECT count(*) FROM ql3.contract_outbox AS o
+     WHERE o.seq = (SELECT c.value::bigint FROM tests.ctx AS c WHERE c.key = 'seq')
+       AND o.project_id = tests.p() AND o.delivered_at IS NULL),
+    1::bigint,
+    'its outbox row is committed and undelivered, for the relay poll to find'
+);
+
+-- ql3.wake_relays() in its own transaction: one notification, asynchronous commit -----------
+
+SELECT dblink_exec('tap04b_w', 'SET synchronous_commit = on');
+SELECT dblink_exec('tap04b_w', 'BEGIN');
+SELECT is(
+    (SELECT t.v FROM dblink('tap04b_w', 'SELECT ql3.wake_relays()::text') AS t (v text)),
+    '',
+    'ql3.wake_relays() runs in a transaction that has written nothing'
+);
+SELECT is(
+    (SELECT t.v FROM dblink('tap04b_w', 'SHOW synchronous_commit') AS t (v text)),
+    'off',
+    'it makes its own transaction commit asynchronously (the notification carries no data)'
+);
+SELECT dblink_exec('tap04b_w', 'COMMIT');
+SELECT is(
+    (SELECT t.v FROM dblink('tap04b_w', 'SHOW synchronous_commit') AS t (v text)),
+    'on',
+    'and only that transaction: the session setting is back after COMMIT'
+);
+
+INSERT INTO tests.notes (notify_name, be_pid, extra)
+SELECT
+    n.notify_name,
+    n.be_pid,
+    n.extra
+FROM tests.poll('tap04b_l') AS n;
+
+SELECT is((SELECT count(*) FROM tests.notes), 1::bigint, 'the wake sends exactly one notification');
+SELECT is(
+    (SELECT n.notify_name FROM tests.notes AS n),
+    'ql3_contract_outbox',
+    'on the relay channel ql3_contract_outbox'
+);
+SELECT is((SELECT n.extra::jsonb FROM tests.notes AS n), '{"wake": true}'::jsonb, 'with payload {"wake": true}');
+
+-- Any other value of the setting still notifies at COMMIT -----------------------------------
+
+SELECT dblink_exec('tap04b_w', 'BEGIN');
+SELECT dblink_exec('tap04b_w', 'SET LOCAL ql3.outbox_notify = commit');
+SELECT tests.remote_activate('tap04b_w', 'not-deferred');
+SELECT dblink_exec('tap04b_w', 'COMMIT');
+SELECT is(
+    (SELECT count(*) FROM tests.poll('tap04b_l') AS n WHERE n.extra::jsonb ->> 'project_id' = tests.p()),
+    1::bigint,
+    'ql3.outbox_notify other than deferred keeps the NOTIFY at COMMIT'
+);
+
+-- Misuse: in a transaction that has written something ---------------------------------------
+
+SELECT dblink_exec('tap04b_w', 'BEGIN');
+SELECT tests.remote_activate('tap04b_w', 'misuse');
+SELECT is(
+    (SELECT t.v FROM dblink('tap04b_w', $q$
+        DO $do$
+        BEGIN
+            PERFORM ql3.wake_relays();
+        EXCEPTION WHEN SQLSTATE 'Q3V01' THEN
+            PERFORM set_config('tests.refused', SQLERRM, TRUE);
+        END;
+        $do$
+    $q$) AS t (v text)),
+    'DO',
+    'a wake inside a writing transaction is trapped by its caller'
+);
+SELECT is(
+    (SELECT t.v FROM dblink('tap04b_w', 'SELECT current_setting(''tests.refused'')') AS t (v text)),
+    'QL3_INVALID_ARGUMENT: ql3.wake_relays() must run in a transaction of its own, after the COMMIT it announces',
+    'ql3.wake_relays() refuses a transaction that has written (Q3V01): it would make that write asynchronous'
+);
+SELECT dblink_exec('tap04b_w', 'ROLLBACK');
+
+-- Leave nothing undelivered for later files (committed remotely, so marked remotely).
+SELECT dblink_exec(
+    'tap04b_w',
+    format('UPDATE ql3.contract_outbox SET delivered_at = now() WHERE project_id = %L AND delivered_at IS NULL',
+           tests.p())
+);
+SELECT dblink_disconnect('tap04b_l');
+SELECT dblink_disconnect('tap04b_w');
+
+SELECT * FROM finish();
+ROLLBACK;

@@ -658,7 +658,7 @@ def test_flags_win_over_environment_which_wins_over_defaults() -> None:
         parser.parse_args(["relay"]), {"QL3_DSN": "x", "QL3_REDIS_URL": "y"}
     )
     assert defaults.channel_prefix == "platform:contract:invalidate"
-    assert (defaults.batch, defaults.metrics_port) == (500, 9464)
+    assert (defaults.batch, defaults.metrics_port) == (1000, 9464)
     with pytest.raises(ValueError, match="QL3_REDIS_URL"):
         config_from_args(parser.parse_args(["relay"]), {"QL3_DSN": "x"})
     with pytest.raises(ValueError, match="batch"):

@@ -9,20 +9,8 @@ BEGIN;
 SELECT plan(59);
 SET LOCAL client_min_messages = warning;
 
-CREATE SCHEMA IF NOT EXISTS tests;
-
-CREATE TABLE tests.ctx (key text PRIMARY KEY, value text NOT NULL);
+\ir lib/outbox_helpers.sql
 INSERT INTO tests.ctx (key, value) VALUES ('project', 'tap04-' || gen_random_uuid());
-
-CREATE FUNCTION tests.p() RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT c.value FROM tests.ctx AS c WHERE c.key = 'project';
-$$;
-
-CREATE FUNCTION tests.dsn() RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT format('host=127.0.0.1 port=%s dbname=%s user=postgres', current_setting('port'), current_database());
-$$;
 
 -- Over dblink: put a revision with body {"n": p_n} and activate it; returns the event seq.
 CREATE FUNCTION tests.remote_activate(p_conn text, p_contract text, p_n integer) RETURNS bigint
@@ -42,15 +30,6 @@ $$;
 CREATE FUNCTION tests.remote_claim(p_conn text, p_limit integer) RETURNS SETOF bigint
 LANGUAGE sql AS $$
     SELECT t.seq FROM dblink(p_conn, format('SELECT seq FROM ql3.claim_outbox(%s)', p_limit)) AS t (seq bigint);
-$$;
-
--- A round trip on the listening connection, then whatever notifications it has received.
-CREATE FUNCTION tests.poll(p_conn text) RETURNS TABLE (notify_name text, be_pid integer, extra text)
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM * FROM dblink(p_conn, 'SELECT 1') AS t (one integer);
-    RETURN QUERY SELECT n.notify_name, n.be_pid, n.extra FROM dblink_get_notify(p_conn) AS n;
-END;
 $$;
 
 CREATE TABLE tests.notes (notify_name text, be_pid integer, extra text);

@@ -6,20 +6,8 @@ BEGIN;
 SELECT plan(11);
 SET LOCAL client_min_messages = warning;
 
-CREATE SCHEMA IF NOT EXISTS tests;
-
-CREATE TABLE tests.ctx (key text PRIMARY KEY, value text NOT NULL);
+\ir lib/outbox_helpers.sql
 INSERT INTO tests.ctx (key, value) VALUES ('project', 'tap04b-' || gen_random_uuid());
-
-CREATE FUNCTION tests.p() RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT c.value FROM tests.ctx AS c WHERE c.key = 'project';
-$$;
-
-CREATE FUNCTION tests.dsn() RETURNS text
-LANGUAGE sql STABLE AS $$
-    SELECT format('host=127.0.0.1 port=%s dbname=%s user=postgres', current_setting('port'), current_database());
-$$;
 
 -- Over dblink, in the remote session's current transaction: put and activate a revision.
 CREATE FUNCTION tests.remote_activate(p_conn text, p_contract text) RETURNS bigint
@@ -33,15 +21,6 @@ LANGUAGE sql AS $$
             tests.p(), p_contract
         )
     ) AS t (seq bigint);
-$$;
-
--- A round trip on the listening connection, then the notifications it has received.
-CREATE FUNCTION tests.poll(p_conn text) RETURNS TABLE (notify_name text, be_pid integer, extra text)
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM * FROM dblink(p_conn, 'SELECT 1') AS t (one integer);
-    RETURN QUERY SELECT n.notify_name, n.be_pid, n.extra FROM dblink_get_notify(p_conn) AS n;
-END;
 $$;
 
 CREATE TABLE tests.notes (notify_name text, be_pid integer, extra text);

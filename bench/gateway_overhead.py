@@ -6,9 +6,10 @@ in normal mode (a relay in this process sends heartbeats), the provider answered
 at once (no sockets), so what is left is the gateway's own work: policy lookup, request
 encoding and digest, admission, the provider adapter, completion. The baseline is the same
 two store calls without the gateway: ``admit_invocation`` then ``complete_invocation``
-through the same ``PgStore``, each in ``asyncio.to_thread`` as the gateway does. Ready model
-steps are created before the timed windows. Overhead = gateway minus baseline, per
-percentile, with one client and with 8 concurrent clients.
+through the same ``PgStore``, each in a thread of an executor with as many threads as the
+gateway's own store threads (``STORE_THREADS``, the size of the store's pool), as the
+gateway runs them. Ready model steps are created before the timed windows. Overhead =
+gateway minus baseline, per percentile, with one client and with 8 concurrent clients.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -41,6 +43,7 @@ PROJECT = "bench"  # bench.edge_pairs builds its commands for this project too
 POLICY = "bench-policy"
 MODEL = "bench-model"
 CLIENT_COUNTS = (1, 8)
+STORE_THREADS = max(CLIENT_COUNTS)  # the store's pool, the gateway's and the baseline's threads
 TARGET_P50_MS = 2.0
 TARGET_P99_MS = 8.0
 WARMUP = 20
@@ -98,14 +101,19 @@ async def measure(dsn: str, redis_url: str, calls: int) -> dict[int, dict[str, l
     await relay.start()
     await relay.wait_ready()
     try:
-        with PgStore(dsn, max_connections=max(CLIENT_COUNTS)) as store:
+        with (
+            PgStore(dsn, max_connections=STORE_THREADS) as store,
+            ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="bench-pair") as threads,
+        ):
             await asyncio.to_thread(set_up_contracts, store)
+            loop = asyncio.get_running_loop()
             async with (
                 RevisionCache(dsn, redis_url, channel_prefix=prefix) as cache,
                 ModelGateway(
                     store,
                     cache,
                     OpenAICompatibleProvider(cache, transport_factory=instant_transport),
+                    store_threads=STORE_THREADS,
                 ) as gateway,
             ):
                 await cache.get_effective(PROJECT, "policy_routing", POLICY)
@@ -128,9 +136,9 @@ async def measure(dsn: str, redis_url: str, calls: int) -> dict[int, dict[str, l
 
                 async def raw_pair(step: Step) -> None:
                     command = admission_for(step[0], step[1], deadline_in(60))
-                    admitted = await asyncio.to_thread(store.admit_invocation, command)
-                    completed = await asyncio.to_thread(
-                        store.complete_invocation, completion_for(admitted)
+                    admitted = await loop.run_in_executor(threads, store.admit_invocation, command)
+                    completed = await loop.run_in_executor(
+                        threads, store.complete_invocation, completion_for(admitted)
                     )
                     check_completed(completed)
 

@@ -3,14 +3,15 @@ between a durable admission and a durable completion.
 
 Why it is built this way:
 
-- **Admission is never raced.** The blocking store call runs in a thread
-  (``asyncio.to_thread``) that the caller's cancellation and deadline cannot stop: the
-  gateway awaits it through ``asyncio.shield`` and, when the caller is cancelled, keeps
-  waiting for the database's own answer, writes the completion that answer calls for, and
-  only then lets the cancellation through. An admission is bounded by the store's
-  timeouts (``statement_timeout``, ``lock_timeout``, connect timeout: ``ql3.db.Timeouts``),
-  never by a race in Python, so a call that returned can never leave a ``running`` step
-  behind that nobody will settle.
+- **Admission is never raced.** The blocking store call runs in one of the gateway's
+  store threads (``store_threads``, 8 by default: PgStore's default pool size, so that 8
+  concurrent calls do not queue for a thread) that the caller's cancellation and deadline
+  cannot stop: the gateway awaits a future of its own that the call's end completes and,
+  when the caller is cancelled, keeps waiting for the database's own answer, writes the
+  completion that answer calls for, and only then lets the cancellation through. An
+  admission is bounded by the store's timeouts (``statement_timeout``, ``lock_timeout``,
+  connect timeout: ``ql3.db.Timeouts``), never by a race in Python, so a call that
+  returned can never leave a ``running`` step behind that nobody will settle.
 - **Only ``created`` leads to provider I/O.** Any admission failure is
   ``MODEL_AUDIT_UNAVAILABLE``; ``existing`` (a replay, or the durable recheck after a lost
   COMMIT response) is ``MODEL_INVOCATION_REPLAY_BLOCKED``; a deadline that passed while the
@@ -38,7 +39,9 @@ hash of the invocation_id, so a replay of the same call builds the same command.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import hashlib
 import logging
 import uuid
@@ -57,7 +60,6 @@ from ql3.invocations import (
     admission_command,
     completion_command,
     format_timestamp,
-    format_uuid,
     request_digest,
 )
 from ql3.providers import (
@@ -79,6 +81,9 @@ RESULT_DEADLINE_BEFORE_CALL: Final = "deadline_exceeded_before_call"
 RESULT_CANCELLED_BEFORE_CALL: Final = "cancelled_before_call"
 RESULT_PROVIDER_UNREACHABLE: Final = "provider_unreachable"
 RESULT_PROVIDER_ERROR_EVENT: Final = "provider_error_event"
+
+_MAX_CACHED_POLICIES: Final = 1024
+"""Policy revisions whose parsed routes a gateway keeps (cleared all at once when full)."""
 
 log = logging.getLogger("ql3.gateway")
 
@@ -370,6 +375,8 @@ def choose_route(
         raise errors.InvalidArgument(
             f"QL3_INVALID_ARGUMENT: model {model!r} is not allowed by the policy ({allowed})"
         )
+    if len(routes) == 1:
+        return routes[0]  # what the draw below gives, without hashing
     total = sum(r.weight for r in routes)
     point = int.from_bytes(hashlib.sha256(invocation_id.encode()).digest()[:8], "big") % total
     for route in routes:
@@ -410,22 +417,35 @@ class _Finished:
     cancelled: bool
 
 
-async def _run_to_end(
-    fn: Callable[[Mapping[str, Any]], Mapping[str, Any]], command: Mapping[str, Any]
-) -> _Finished:
-    """Run a blocking store call in a thread and wait for its end whatever happens to the
-    caller; a cancellation that arrives meanwhile is reported, never acted on here."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, command))
+async def _run_to_end(job: concurrent.futures.Future[Mapping[str, Any]]) -> _Finished:
+    """Wait for a store call running in a thread to end, whatever happens to the caller;
+    a cancellation that arrives meanwhile is reported, never acted on here.
+
+    The caller awaits a future of its own that the thread's end completes (one loop
+    callback, as ``asyncio.to_thread`` takes): a cancellation cancels only that future,
+    never the call, and the wait starts over on a new one.
+    """
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:  # on the loop
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def ended(_: object) -> None:  # in the store thread (or here, if it has ended)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(wake)
+
+    job.add_done_callback(ended)
     cancelled = False
-    while not task.done():
+    while not job.done():
         try:
-            await asyncio.shield(task)
+            await waiter
         except asyncio.CancelledError:
-            cancelled = True  # shield only raises this for the caller: the thread runs on
-        except BaseException:
-            break  # the call's own error, read below
-    error = task.exception()
-    return _Finished(None if error is not None else task.result(), error, cancelled)
+            cancelled = True  # only the waiter was cancelled: the thread runs on
+            waiter = loop.create_future()
+    error = job.exception()
+    return _Finished(None if error is not None else job.result(), error, cancelled)
 
 
 def _code(exc: BaseException) -> str:
@@ -447,15 +467,39 @@ class ModelGateway:
         provider: ChatProvider,
         *,
         hooks: GatewayHooks | None = None,
+        store_threads: int = 8,
     ) -> None:
+        if store_threads < 1:
+            raise ValueError("store_threads must be at least 1")
         self._store = store
         self._policies = policies
         self._provider = provider
         self._hooks = hooks or GatewayHooks()
+        self._store_threads = store_threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._routes: dict[str, tuple[PolicyRoute, ...]] = {}
 
     async def aclose(self) -> None:
-        """Close the provider's connections (the store and the cache belong to the caller)."""
-        await self._provider.aclose()
+        """Close the provider's connections and let the store threads end once their calls
+        have (the store and the cache belong to the caller). The gateway can be used again."""
+        try:
+            await self._provider.aclose()
+        finally:
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=False)
+
+    def _store_call(
+        self, fn: Callable[[Mapping[str, Any]], Mapping[str, Any]], command: Mapping[str, Any]
+    ) -> Awaitable[_Finished]:
+        """Start a blocking store call in one of the gateway's threads (in the caller's
+        context, as ``asyncio.to_thread``) and wait for its end (``_run_to_end``)."""
+        executor = self._executor
+        if executor is None:
+            executor = self._executor = concurrent.futures.ThreadPoolExecutor(
+                self._store_threads, thread_name_prefix="ql3-gateway-store"
+            )
+        return _run_to_end(executor.submit(contextvars.copy_context().run, fn, command))
 
     async def __aenter__(self) -> ModelGateway:
         return self
@@ -511,7 +555,7 @@ class ModelGateway:
         if refresh:
             await self._policies.verify_all()
         policy = await self._policies.get_effective(call.project_id, POLICY_FAMILY, call.policy_id)
-        chosen = choose_route(policy_routes(policy), call.invocation_id, call.model)
+        chosen = choose_route(self._policy_routes(policy), call.invocation_id, call.model)
         route = await self._provider.route(chosen.model, chosen.endpoint)
         body = self._provider.encode_request(
             chosen.model, call.messages, stream=stream, options=call.options
@@ -520,8 +564,8 @@ class ModelGateway:
             invocation_id=call.invocation_id,
             request_id=request_id,
             project_id=call.project_id,
-            run_id=format_uuid(call.run_id, "run_id"),
-            step_run_id=format_uuid(call.step_run_id, "step_run_id"),
+            run_id=call.run_id,
+            step_run_id=call.step_run_id,
             trace_id=call.trace_id,
             expected_step_run_version=call.expected_step_run_version,
             provider=route.provider,
@@ -534,6 +578,18 @@ class ModelGateway:
         return _Plan(
             route=route, body=body, command=command, policy_revision_id=str(policy.revision_id)
         )
+
+    def _policy_routes(self, policy: PolicyRevision) -> tuple[PolicyRoute, ...]:
+        """``policy_routes`` of a revision, parsed once per revision (revisions are
+        immutable; an invalid body is not kept and raises on every call)."""
+        revision_id = str(policy.revision_id)
+        routes = self._routes.get(revision_id)
+        if routes is None:
+            routes = policy_routes(policy)
+            if len(self._routes) >= _MAX_CACHED_POLICIES:
+                self._routes.clear()
+            self._routes[revision_id] = routes
+        return routes
 
     async def _admit(self, call: ModelCall, *, stream: bool) -> _Admission:
         """A ``created`` admission whose deadline has not passed, or an error.
@@ -564,7 +620,7 @@ class ModelGateway:
                     "was admitted",
                     invocation_id=call.invocation_id,
                 )
-            done = await _run_to_end(self._store.admit_invocation, plan.command)
+            done = await self._store_call(self._store.admit_invocation, plan.command)
             if done.error is not None:
                 if isinstance(done.error, errors.StaleRevision) and attempt == 1:
                     if done.cancelled:
@@ -722,7 +778,7 @@ class ModelGateway:
                 await hook(command)
             except asyncio.CancelledError:
                 cancelled = True
-        done = await _run_to_end(self._store.complete_invocation, command)
+        done = await self._store_call(self._store.complete_invocation, command)
         cancelled = cancelled or done.cancelled
         fields = {
             "invocation_id": admission.invocation_id,

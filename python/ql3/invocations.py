@@ -12,6 +12,7 @@ they raise the ``ql3.errors`` class the database would raise for the same mistak
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -175,10 +176,17 @@ def parse_timestamp(text: str) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
+_CANONICAL_UUID: Final = re.compile(
+    "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII
+)
+
+
 def format_uuid(value: str | uuid.UUID, field: str = "uuid") -> str:
     """The canonical lowercase hyphenated spelling of a uuid."""
     if isinstance(value, uuid.UUID):
         return str(value)
+    if isinstance(value, str) and _CANONICAL_UUID.fullmatch(value):
+        return value  # already what str(uuid.UUID(value)) would give
     try:
         return str(uuid.UUID(value))
     except (TypeError, ValueError, AttributeError):

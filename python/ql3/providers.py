@@ -269,13 +269,67 @@ def _parse_completion(raw: bytes) -> tuple[str, str | None, Usage | None]:
     return content or "", finish if isinstance(finish, str) else None, _usage(doc.get("usage"))
 
 
-class _Client:
-    """One generation of HTTP connections; closed when retired and no call uses it."""
+_MAX_CACHED_TARGETS: Final = 256
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+
+class _Client:
+    """One generation of HTTP connections; closed when retired and no call uses it.
+
+    ``send`` hands the request straight to the transport, with exactly the headers
+    ``httpx.AsyncClient`` would send for it (``Host``, the client's defaults, ours,
+    ``Content-Length``) and the same timeout, and without the per-request work the adapter
+    does not use: the URL is parsed and the headers merged once per target, no auth, no
+    redirects, no event hooks, and no cookie jar keeping what a provider sets (a model call
+    carries no session state). With ``trust_env`` (.netrc credentials) the request goes
+    through the client's own pipeline instead.
+    """
+
+    def __init__(
+        self, client: httpx.AsyncClient, transport: httpx.AsyncBaseTransport, *, direct: bool
+    ) -> None:
         self.http = client
+        self.transport = transport
+        self.direct = direct
         self.users = 0
         self.retired = False
+        self._targets: dict[tuple[str, str], tuple[httpx.URL, list[tuple[bytes, bytes]]]] = {}
+        self._extensions = {"timeout": client.timeout.as_dict()}
+
+    def _target(self, url: str, accept: str) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
+        key = (url, accept)
+        found = self._targets.get(key)
+        if found is None:
+            if len(self._targets) >= _MAX_CACHED_TARGETS:
+                self._targets.clear()
+            parsed = httpx.URL(url)
+            headers = {"content-type": "application/json", "accept": accept}
+            # The headers of this request as the client builds it, but for its length.
+            built = self.http.build_request("POST", parsed, headers=headers, content=b"")
+            fixed = [(k, v) for k, v in built.headers.raw if k.lower() != b"content-length"]
+            found = self._targets[key] = (parsed, fixed)
+        return found
+
+    async def send(self, url: str, body: bytes, accept: str) -> httpx.Response:
+        """POST ``body`` as JSON; the response, its body not read yet (``aclose`` it)."""
+        if not self.direct:
+            request = self.http.build_request(
+                "POST",
+                url,
+                content=body,
+                headers={"content-type": "application/json", "accept": accept},
+            )
+            return await self.http.send(request, stream=True)
+        parsed, fixed = self._target(url, accept)
+        request = httpx.Request(
+            "POST",
+            parsed,
+            headers=[*fixed, (b"Content-Length", str(len(body)).encode())],
+            stream=httpx.ByteStream(body),
+            extensions=self._extensions,
+        )
+        response = await self.transport.handle_async_request(request)
+        response.request = request
+        return response
 
 
 class OpenAICompatibleProvider:
@@ -348,7 +402,7 @@ class OpenAICompatibleProvider:
         )
         timeout = httpx.Timeout(connect=self._connect_timeout, read=None, write=None, pool=None)
         http = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=self._trust_env)
-        return _Client(http)
+        return _Client(http, transport, direct=not self._trust_env)
 
     def reset(self) -> None:
         """Retire the current connections: new calls open new ones, calls in flight end
@@ -423,14 +477,17 @@ class OpenAICompatibleProvider:
         client = self._acquire()
         try:
             try:
-                response = await client.http.post(route.url, content=body, headers=_HEADERS_JSON)
+                response = await client.send(route.url, body, _ACCEPT_JSON)
             except httpx.ConnectError as exc:  # includes nothing sent on a refused connect
                 raise ProviderUnreachable(f"{route.url}: {exc}") from exc
             except httpx.ConnectTimeout as exc:
                 raise ProviderUnreachable(f"{route.url}: connect timeout") from exc
+            try:
+                raw = await _read_body(response)
+            finally:
+                await response.aclose()
         finally:
             self._release(client)
-        raw = response.content
         size, digest = len(raw), hashlib.sha256(raw).hexdigest()
         _raise_for_status(response.status_code, raw, size, digest)
         text, finish, usage = _parse_completion(raw)
@@ -447,10 +504,7 @@ class OpenAICompatibleProvider:
         client = self._acquire()
         try:
             try:
-                request = client.http.build_request(
-                    "POST", route.url, content=body, headers=_HEADERS_SSE
-                )
-                response = await client.http.send(request, stream=True)
+                response = await client.send(route.url, body, _ACCEPT_SSE)
             except httpx.ConnectError as exc:
                 raise ProviderUnreachable(f"{route.url}: {exc}") from exc
             except httpx.ConnectTimeout as exc:
@@ -464,8 +518,17 @@ class OpenAICompatibleProvider:
             self._release(client)
 
 
-_HEADERS_JSON: Final = {"content-type": "application/json", "accept": "application/json"}
-_HEADERS_SSE: Final = {"content-type": "application/json", "accept": "text/event-stream"}
+async def _read_body(response: httpx.Response) -> bytes:
+    """The whole body as ``response.aread()`` gives it; read straight off the transport's
+    stream when there is no ``Content-Encoding`` to undo (nothing to decode then)."""
+    stream = response.stream
+    if "content-encoding" in response.headers or not isinstance(stream, httpx.AsyncByteStream):
+        return await response.aread()
+    return b"".join([chunk async for chunk in stream])
+
+
+_ACCEPT_JSON: Final = "application/json"
+_ACCEPT_SSE: Final = "text/event-stream"
 
 _UNKNOWN_STATUSES: Final = frozenset({502, 504})
 """Answers of an intermediary about the upstream (bad gateway, gateway timeout): the model

@@ -302,6 +302,11 @@ class StubProvider:
         return Handler
 
 
+def _compact_json(doc: Any) -> bytes:
+    """``doc`` as httpx's ``Response(json=doc)`` encodes it."""
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 def instant_transport(reply: str = DEFAULT_REPLY) -> httpx.MockTransport:
     """An in-process transport that answers every chat completion at once (no sockets):
     the provider stub for measuring the gateway's own overhead."""
@@ -309,12 +314,15 @@ def instant_transport(reply: str = DEFAULT_REPLY) -> httpx.MockTransport:
     def handle(request: httpx.Request) -> httpx.Response:
         parsed = _parse(request.url.path, request.read())
         if parsed.stream:
-            return httpx.Response(
-                200,
-                headers={"content-type": "text/event-stream"},
-                content=b"".join(sse_events(parsed, split_reply(reply))),
-            )
-        return httpx.Response(200, json=completion_document(parsed, reply))
+            content_type = b"text/event-stream"
+            body = b"".join(sse_events(parsed, split_reply(reply)))
+        else:
+            content_type = b"application/json"
+            body = _compact_json(completion_document(parsed, reply))
+        # The same response as Response(content=body) (httpx reads that one eagerly, which
+        # is the receiver's work): the body as a stream, with its length.
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        return httpx.Response(200, headers=headers, stream=httpx.ByteStream(body))
 
     return httpx.MockTransport(handle)
 

@@ -5,8 +5,12 @@ provider failure tells (definite, never sent, or unknown)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +19,15 @@ import pytest
 
 from ql3 import errors
 from ql3.devservers import free_port
-from ql3.gateway import PolicyRoute, choose_route, policy_routes
+from ql3.gateway import (
+    ModelCall,
+    ModelGateway,
+    PolicyRoute,
+    choose_route,
+    deadline_in,
+    policy_routes,
+)
+from ql3.invocations import format_uuid
 from ql3.providers import (
     OpenAICompatibleProvider,
     ProviderError,
@@ -324,3 +336,178 @@ def test_a_topology_change_retires_connections_after_the_calls_in_flight() -> No
         await adapter.aclose()
 
     run(scenario())
+
+
+# -- what goes over the wire ------------------------------------------------------------------
+
+
+def test_the_request_sent_is_what_the_http_client_would_send_and_no_cookie_is_kept() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        doc = completion_document(StubRequest(path="/", body=b"", doc={"model": "m1"}), "hi")
+        return httpx.Response(200, json=doc, headers={"set-cookie": "session=abc; Path=/"})
+
+    def factory() -> httpx.MockTransport:
+        return httpx.MockTransport(handler)
+
+    async def scenario() -> None:
+        body = OpenAICompatibleProvider.encode_request(
+            "m1", [{"role": "user", "content": "grüß dich"}], stream=False
+        )
+        direct = OpenAICompatibleProvider(Source(TOPOLOGY), transport_factory=factory)
+        # trust_env (.netrc) sends through httpx.AsyncClient's own pipeline: the reference.
+        client = OpenAICompatibleProvider(
+            Source(TOPOLOGY), transport_factory=factory, trust_env=True
+        )
+        await direct.complete(ROUTE, body)
+        await client.complete(ROUTE, body)
+        await direct.complete(ROUTE, body)
+        await direct.aclose()
+        await client.aclose()
+
+    run(scenario())
+    mine, reference, again = seen
+    assert mine.headers.raw == reference.headers.raw
+    assert dict(mine.headers)["content-length"] == str(len(mine.content))
+    assert mine.content == reference.content
+    assert mine.extensions["timeout"] == reference.extensions["timeout"]
+    assert "cookie" not in again.headers  # a provider's cookie never rides on the next call
+
+
+def test_the_digest_covers_the_answer_as_decoded_whether_or_not_it_was_compressed() -> None:
+    doc = completion_document(StubRequest(path="/", body=b"", doc={"model": "m1"}), "zipped")
+    raw = json.dumps(doc).encode()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for i in range(0, len(raw), 7):
+            yield raw[i : i + 7]
+
+    def plain(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=pieces())
+
+    def gzipped(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=gzip.compress(raw), headers={"content-encoding": "gzip"})
+
+    async def scenario() -> None:
+        for handler in (plain, gzipped):
+            adapter = adapter_with(handler)
+            response = await adapter.complete(ROUTE, b"{}")
+            await adapter.aclose()
+            assert response.text == "zipped"
+            assert response.output_bytes == len(raw)
+            assert response.output_digest == hashlib.sha256(raw).hexdigest()
+
+    run(scenario())
+
+
+# -- the gateway's store threads ------------------------------------------------------------------
+
+
+class BlockingStore:
+    """An InvocationStore whose admission waits for ``release`` (in the gateway's thread)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.admitting = threading.Event()
+        self.completions: list[Mapping[str, Any]] = []
+        self.threads: set[str] = set()
+
+    def admit_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]:
+        self.threads.add(threading.current_thread().name)
+        self.admitting.set()
+        assert self.release.wait(10)
+        start = {"invocation_id": command["invocation_id"], "admitted_at": "2000-01-01"}
+        return {"status": "created", "start": start, "start_digest": "s" * 64}
+
+    def complete_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]:
+        self.threads.add(threading.current_thread().name)
+        self.completions.append(command)
+        completion = {"outcome": command["outcome"], "result_code": command["result_code"]}
+        return {"status": "created", "completion": completion, "completion_digest": "c" * 64}
+
+
+class Policies(Source):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.policy = Revision(
+            "acme",
+            "policy_routing",
+            "bot",
+            "00000000-0000-4000-8000-000000000001",
+            1,
+            {"routes": [{"model": "m1"}]},
+        )
+
+    async def get_effective(self, project_id: str, family: str, contract_id: str) -> Revision:
+        return self.policy if family == "policy_routing" else self.revision
+
+    async def verify_all(self) -> None:
+        pass
+
+
+def a_call() -> ModelCall:
+    return ModelCall(
+        project_id="acme",
+        run_id="00000000-0000-4000-8000-0000000000aa",
+        step_run_id="00000000-0000-4000-8000-0000000000bb",
+        trace_id="t",
+        policy_id="bot",
+        messages=[{"role": "user", "content": "hi"}],
+        deadline_at=deadline_in(60),
+    )
+
+
+def test_an_admission_runs_to_its_end_through_repeated_cancellations_then_settles() -> None:
+    store, policies = BlockingStore(), Policies()
+    answer = instant_transport().handler
+    calls: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        response = answer(request)
+        assert isinstance(response, httpx.Response)
+        return response
+
+    async def scenario() -> None:
+        provider = OpenAICompatibleProvider(
+            policies, transport_factory=lambda: httpx.MockTransport(handler)
+        )
+        async with ModelGateway(store, policies, provider, store_threads=2) as gateway:
+            task = asyncio.create_task(gateway.invoke(a_call()))
+            assert await asyncio.to_thread(store.admitting.wait, 10)
+            for _ in range(3):
+                task.cancel()
+                await asyncio.sleep(0.01)
+                assert not task.done()  # still waiting for the database's answer
+            store.release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert [(c["outcome"], c["result_code"]) for c in store.completions] == [
+                ("failed", "cancelled_before_call")
+            ]
+            assert calls == []  # no provider I/O for a call cancelled during admission
+            result = await gateway.invoke(a_call())  # the gateway goes on working
+            assert result.completion["outcome"] == "succeeded"
+            assert len(calls) == 1
+        assert store.threads and all(t.startswith("ql3-gateway-store") for t in store.threads)
+
+    run(scenario())
+
+
+def test_a_gateway_needs_at_least_one_store_thread() -> None:
+    policies = Policies()
+    provider = OpenAICompatibleProvider(policies, transport_factory=instant_transport)
+    with pytest.raises(ValueError, match="store_threads"):
+        ModelGateway(BlockingStore(), policies, provider, store_threads=0)
+
+
+def test_uuids_in_commands_have_one_spelling_however_they_are_given() -> None:
+    canonical = "0a1b2c3d-0000-4000-8000-00000000abcd"
+    for given in (canonical, canonical.upper(), "{" + canonical + "}", canonical.replace("-", "")):
+        assert format_uuid(given) == canonical
+    assert format_uuid(uuid.UUID(canonical)) == canonical
+    for wrong in ("0a1b2c3d-0000-4000-8000-00000000abc", canonical + "\n", "", "x" * 36):
+        with pytest.raises(errors.InvalidArgument):
+            format_uuid(wrong)

@@ -4,8 +4,8 @@
   fresh entry; no database round trip (checked: no reload or verification during the run).
 - verified read: a cache in degraded mode (subscribed to a prefix no relay heartbeats on),
   which verifies the entry against its active pointer before every use (checked: one
-  verification per read). Measured as constructed by default, and with the cache handed
-  an autocommit pool without a checkout check (diagnostic).
+  verification per read). Measured as constructed by default, and with an autocommit pool
+  passed in by the caller (diagnostic; the cache's own pool is of the same kind).
 - baseline: ``SELECT 1`` on an autocommit psycopg AsyncConnection, same event loop.
 """
 
@@ -178,7 +178,7 @@ def run(settings: Settings) -> Result:
                 result="n/a",
             ),
             Row(
-                label="verified read p50 / p99, autocommit pool (no checkout check)",
+                label="verified read p50 / p99, on a pool passed in (autocommit)",
                 figure=f"{p('tuned', 50):.0f} / {p('tuned', 99):.0f} µs",
                 baseline=base_text,
                 ratio=ratio(p("tuned", 50), s50),

@@ -10,14 +10,16 @@ activating connection. For each activation the latency is from the moment the
 ``time.monotonic()``, one clock for every process of the machine.
 
 Baseline, same layout: 100 raw redis-py subscribers in 2 processes; latency from just
-before PUBLISH to the last subscriber receiving the message. Diagnostics: the caches
-handed autocommit pools without a checkout check, and 1 worker alone (against 1 raw
-subscriber), which is what a worker with a core of its own would see.
+before PUBLISH to the last subscriber receiving the message. Diagnostics: the CPU one
+reload costs (worker process and PostgreSQL), which bounds 100 reloads on 2 cores, and 1
+worker alone (against 1 raw subscriber), which is what a worker with a core of its own
+would see.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 import uuid
@@ -56,11 +58,46 @@ WAIT_S = 10.0
 
 @dataclass
 class Samples:
-    """Per sample: seconds to the last and to the first of the receivers."""
+    """Per sample: seconds to the last and to the first of the receivers.
+
+    ``helper_cpu`` and ``postgres_cpu``: CPU seconds that the helper processes and the
+    caches' PostgreSQL backends used over the measured samples (None without /proc).
+    """
 
     last: list[float] = field(default_factory=list)
     first: list[float] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)
+    helper_cpu: float | None = None
+    postgres_cpu: float | None = None
+
+
+def cpu_seconds(pids: Sequence[int]) -> float | None:
+    """User + system CPU seconds of processes so far (Linux /proc); None if unreadable."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_used(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def cpu_text(figures: dict[str, Any], prefix: str) -> str:
+    """ "W + P µs" from a summary's per-receiver CPU figures ("n/a" where not measured)."""
+    parts = [figures.get(f"{prefix}helper_cpu_us_per_receiver"),
+             figures.get(f"{prefix}postgres_cpu_us_per_receiver")]  # fmt: skip
+    shown = [f"{v:.0f}" for v in parts if v is not None]
+    return " + ".join(shown) + " µs" if shown else "n/a"
+
+
+def per_event_us(cpu: float | None, events: int) -> float | None:
+    return None if cpu is None or not events else round(cpu / events * 1e6, 1)
 
 
 async def reported(procs: Sequence[Helper], word: str, ident: int) -> tuple[float, float]:
@@ -94,8 +131,12 @@ async def raw_latencies(
         for proc in procs:
             await proc.expect("ready", timeout=60)
         client = aioredis.Redis.from_url(redis_url)
+        pids = [proc.proc.pid for proc in procs]
+        started: float | None = None
         try:
             for seq in range(warmup + samples):
+                if seq == warmup:
+                    started = cpu_seconds(pids)
                 payload = f"{seq} ".encode().ljust(MESSAGE_BYTES, b"x")
                 sent = time.monotonic()
                 receivers = await client.publish(channel, payload)
@@ -106,6 +147,7 @@ async def raw_latencies(
                     out.last.append(last - sent)
                     out.first.append(first - sent)
                 await pause()
+            out.helper_cpu = cpu_used(started, cpu_seconds(pids))
         finally:
             await client.aclose()
     return out
@@ -117,7 +159,6 @@ async def cache_latencies(
     samples: int,
     warmup: int,
     *,
-    autocommit_pools: bool = False,
     workers: int = WORKERS,
 ) -> Samples:
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -126,19 +167,23 @@ async def cache_latencies(
     relay = Relay(RelayConfig(dsn=dsn, redis_url=redis_url, channel_prefix=prefix))
     await relay.start()
     await relay.wait_ready()
-    extra = ["--autocommit-pools"] if autocommit_pools else []
     out = Samples()
     try:
         async with helpers(
             "caches", min(PROCESSES, workers), "caches", "--redis-url", redis_url,
             "--dsn", dsn, "--prefix", prefix, "--key", PROJECT, FAMILY, CONTRACT,
-            "--count", str(max(1, workers // PROCESSES)), *extra,
+            "--count", str(max(1, workers // PROCESSES)),
         ) as procs:  # fmt: skip
             for proc in procs:
                 out.modes.append((await proc.expect("ready", timeout=90))[1])
             aconn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            pids = [proc.proc.pid for proc in procs]
+            started: tuple[float | None, float | None] = (None, None)
             try:
                 for i in range(warmup + samples):
+                    if i == warmup:
+                        backends = await cache_backends(aconn)
+                        started = (cpu_seconds(pids), cpu_seconds(backends))
                     cur = await aconn.execute(
                         "SELECT pointer_version"
                         " FROM ql3.activate_revision(%s, %s, %s, %s::uuid, %s)",
@@ -152,6 +197,8 @@ async def cache_latencies(
                         out.last.append(last - committed)
                         out.first.append(first - committed)
                     await pause()
+                out.helper_cpu = cpu_used(started[0], cpu_seconds(pids))
+                out.postgres_cpu = cpu_used(started[1], cpu_seconds(backends))
             finally:
                 await aconn.close()
     finally:
@@ -159,13 +206,25 @@ async def cache_latencies(
     return out
 
 
-def summary(samples: Samples, prefix: str) -> dict[str, float]:
+async def cache_backends(aconn: psycopg.AsyncConnection[Any]) -> list[int]:
+    """The PostgreSQL backends of the caches (same machine: their pids are local)."""
+    cur = await aconn.execute(
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = 'ql3-cache'"
+    )
+    return [int(row[0]) for row in await cur.fetchall()]
+
+
+def summary(samples: Samples, prefix: str, receivers: int) -> dict[str, float | None]:
+    events = len(samples.last) * receivers
     return {
         f"{prefix}p50_ms": ms(percentile(samples.last, 50)),
         f"{prefix}p99_ms": ms(percentile(samples.last, 99)),
         f"{prefix}max_ms": ms(max(samples.last)),
         f"{prefix}first_receiver_p50_ms": ms(percentile(samples.first, 50)),
         f"{prefix}first_receiver_p99_ms": ms(percentile(samples.first, 99)),
+        f"{prefix}helper_cpu_us_per_receiver": per_event_us(samples.helper_cpu, events),
+        f"{prefix}postgres_cpu_us_per_receiver": per_event_us(samples.postgres_cpu, events),
     }
 
 
@@ -174,32 +233,24 @@ def run(settings: Settings) -> Result:
     raw = asyncio.run(raw_latencies(settings.redis_url, samples, warmup))
     raw_one = asyncio.run(raw_latencies(settings.redis_url, samples, warmup, subscribers=1))
     with fresh_database(settings.base_dsn, "propagation") as dsn:
-        built = asyncio.run(
-            cache_latencies(dsn, settings.redis_url, samples, warmup, autocommit_pools=False)
-        )
-    with fresh_database(settings.base_dsn, "propagation_ac") as dsn:
-        tuned = asyncio.run(
-            cache_latencies(dsn, settings.redis_url, samples, warmup, autocommit_pools=True)
-        )
+        built = asyncio.run(cache_latencies(dsn, settings.redis_url, samples, warmup))
     with fresh_database(settings.base_dsn, "propagation_one") as dsn:
         alone = asyncio.run(cache_latencies(dsn, settings.redis_url, samples, warmup, workers=1))
     figures: dict[str, Any] = {
         "workers": WORKERS,
         "processes": PROCESSES,
         "activations": len(built.last),
-        **summary(built, ""),
+        **summary(built, "", WORKERS),
         "worker_modes_at_start": built.modes,
-        **summary(tuned, "autocommit_pool_"),
-        **summary(alone, "one_worker_"),
+        **summary(alone, "one_worker_", 1),
     }
     baseline = {
         "subscribers": WORKERS,
         "messages": len(raw.last),
-        **summary(raw, "raw_"),
-        **summary(raw_one, "raw_one_subscriber_"),
+        **summary(raw, "raw_", WORKERS),
+        **summary(raw_one, "raw_one_subscriber_", 1),
     }
     p50, p99 = percentile(built.last, 50), percentile(built.last, 99)
-    t50, t99 = percentile(tuned.last, 50), percentile(tuned.last, 99)
     o50, o99 = percentile(alone.last, 50), percentile(alone.last, 99)
     r50, r99 = percentile(raw.last, 50), percentile(raw.last, 99)
     q50, q99 = percentile(raw_one.last, 50), percentile(raw_one.last, 99)
@@ -212,8 +263,6 @@ def run(settings: Settings) -> Result:
         ratio={
             "p50": ratio(p50, r50),
             "p99": ratio(p99, r99),
-            "autocommit_pool_p50": ratio(t50, r50),
-            "autocommit_pool_p99": ratio(t99, r99),
             "one_worker_p50": ratio(o50, q50),
             "one_worker_p99": ratio(o99, q99),
         },
@@ -237,10 +286,10 @@ def run(settings: Settings) -> Result:
                 result=verdict(ok),
             ),
             Row(
-                label="propagation p50 / p99, caches given autocommit pools (no checkout check)",
-                figure=f"{ms(t50):.1f} / {ms(t99):.1f} ms",
-                baseline=f"{ms(r50):.2f} / {ms(r99):.2f} ms {raw_text}",
-                ratio=ratio(t99, r99),
+                label="CPU per reload: worker process + PostgreSQL",
+                figure=f"{cpu_text(figures, '')}",
+                baseline=f"{cpu_text(baseline, 'raw_')} per raw subscriber message",
+                ratio=None,
                 target="(diagnostic)",
                 result="n/a",
             ),
@@ -263,5 +312,10 @@ def run(settings: Settings) -> Result:
             "figure is what a worker with a core of its own sees",
             "first_receiver_*: time to the first of the 100 caches (relay + Redis hop plus one "
             "reload); the rest of the gap to the last is the fan-out of 100 reloads",
+            "*helper_cpu_us_per_receiver: CPU of the helper processes over the measured "
+            "samples per receiver and sample (message receipt, reload and callback for a "
+            "cache; receipt for a raw subscriber), idle timers included; "
+            "*postgres_cpu_us_per_receiver: the same for the caches' PostgreSQL backends; "
+            f"x {WORKERS} is the CPU an activation costs, to set against {os.cpu_count()} cores",
         ],
     )

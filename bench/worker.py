@@ -10,8 +10,7 @@ steal its event loop, and they report on stdout, one line per event:
   ``<seq>`` prints ``got SEQ T`` once all of them have it, T = the latest receive time
   (``time.monotonic()``, a clock shared by every process of the machine; then the earliest).
 - ``caches``: ``--count`` RevisionCache instances watching one contract; for each
-  pointer_version prints ``loaded PV T`` once every cache has loaded it (``on_change``);
-  ``--autocommit-pools`` hands each cache an autocommit pool without a checkout check.
+  pointer_version prints ``loaded PV T`` once every cache has loaded it (``on_change``).
 
 All of them exit cleanly on SIGTERM.
 """
@@ -26,14 +25,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
-from psycopg_pool import AsyncConnectionPool
 
 from ql3.cache import EffectiveRevision, RevisionCache
-
-AUTOCOMMIT: dict[str, Any] = {"autocommit": True}
 
 
 def say(*words: object) -> None:
@@ -113,8 +108,6 @@ async def cache_workers(
     prefix: str,
     key: tuple[str, str, str],
     count: int,
-    *,
-    autocommit_pools: bool,
 ) -> None:
     stop = stop_event()
     loaded: dict[int, list[float]] = {}
@@ -127,18 +120,7 @@ async def cache_workers(
         if len(times) == count and armed:
             say("loaded", revision.pointer_version, repr(max(times)), repr(min(times)))
 
-    pools: list[AsyncConnectionPool[Any]] = []
-    if autocommit_pools:
-        # Same size as the cache's own pool, but autocommit and no check on checkout.
-        pools = [
-            AsyncConnectionPool(dsn, min_size=1, max_size=4, open=False, kwargs=AUTOCOMMIT)
-            for _ in range(count)
-        ]
-        for pool in pools:
-            await pool.open()
-        caches = [RevisionCache(pool, url, channel_prefix=prefix) for pool in pools]
-    else:
-        caches = [RevisionCache(dsn, url, channel_prefix=prefix) for _ in range(count)]
+    caches = [RevisionCache(dsn, url, channel_prefix=prefix) for _ in range(count)]
     for cache in caches:
         cache.on_change(key[1], key[2], on_change)
     try:
@@ -154,7 +136,6 @@ async def cache_workers(
         await stop.wait()
     finally:
         await asyncio.gather(*(c.close() for c in caches), return_exceptions=True)
-        await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -168,11 +149,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dsn", help="caches: database")
     parser.add_argument("--prefix", help="caches: channel prefix of the relay")
     parser.add_argument("--key", nargs=3, help="caches: project family contract_id")
-    parser.add_argument(
-        "--autocommit-pools",
-        action="store_true",
-        help="caches: pass each cache an autocommit pool without a checkout check",
-    )
     parser.add_argument("--index", type=int, default=0, help="which helper of several")
     return parser.parse_args(argv)
 
@@ -193,7 +169,6 @@ def main(argv: Sequence[str]) -> int:
                 args.prefix,
                 (project, family, contract_id),
                 args.count,
-                autocommit_pools=args.autocommit_pools,
             )
         )
     return 0

@@ -71,6 +71,13 @@ ChangeCallback = Callable[["EffectiveRevision"], "Awaitable[None] | None"]
 
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
 
+# One key (the reload a message triggers): one function call in one round trip. No row
+# means no revision is active; _LOAD_SQL then reads the pointer_version to install.
+_LOAD_ONE_SQL = """
+SELECT revision_id, revision_no, body, body_hash, pointer_version
+FROM ql3.active_revision(%s, %s, %s)
+"""
+
 _LOAD_SQL = """
 SELECT p.project_id, p.contract_family, p.contract_id, p.pointer_version,
        p.revision_id AS pointer_revision_id,
@@ -157,6 +164,13 @@ class RevisionCache:
     (seconds; tests shorten it). ``heartbeat_timeout`` is how long without a relay
     heartbeat before the cache degrades (keep it at several relay heartbeat intervals).
     ``db_timeout`` bounds the wait for a database connection of the cache's own pool.
+
+    The cache's own pool is autocommit and does not check connections on checkout: every
+    read is one statement, so a reload is one round trip, not four (check, BEGIN, query,
+    COMMIT). When a read finds its connection broken (killed backend, restarted server)
+    the pool drops it, the idle connections are checked, and the read is repeated once,
+    so the caller sees the answer, or ``Unavailable`` if the database is really down. A
+    pool passed in is used as it is (a non-autocommit one gets a COMMIT per read).
     """
 
     def __init__(
@@ -179,8 +193,8 @@ class RevisionCache:
                 max_size=4,
                 open=False,
                 timeout=db_timeout,
-                check=AsyncConnectionPool.check_connection,
                 kwargs={
+                    "autocommit": True,
                     "connect_timeout": max(2, math.ceil(db_timeout)),
                     "application_name": "ql3-cache",
                 },
@@ -392,18 +406,45 @@ class RevisionCache:
     # -- database ----------------------------------------------------------------------
 
     async def _query(self, sql: str, keys: Sequence[Key]) -> list[dict[str, Any]]:
-        try:
-            async with self._pool.connection() as conn:
-                async with conn.cursor(row_factory=dict_row) as cur:
-                    await cur.execute(sql, (Jsonb([list(k) for k in keys]),))
+        """Run a ``ql3.active_pointers`` query over keys; its rows."""
+        return await self._fetch(sql, (Jsonb([list(k) for k in keys]),))
+
+    async def _fetch(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
+        """One read-only statement; retried once if its connection turned out broken."""
+        for attempt in (1, 2):
+            conn: psycopg.AsyncConnection[Any] | None = None
+            try:
+                # getconn/putconn rather than pool.connection(): no context managers and
+                # no COMMIT call on an autocommit connection, on the path of every reload.
+                conn = await self._pool.getconn()
+                try:
+                    cur = conn.cursor(row_factory=dict_row)
+                    await cur.execute(sql, params)
                     rows: list[dict[str, Any]] = await cur.fetchall()
+                    if not conn.autocommit:  # a pool passed in may open transactions
+                        await conn.commit()
+                except Exception:
+                    if not conn.autocommit and not conn.closed:
+                        with contextlib.suppress(psycopg.Error):
+                            await conn.rollback()
+                    raise
+                finally:
+                    await self._pool.putconn(conn)
                 return rows
-        except psycopg.Error as exc:
-            reraise_if_cancelled()
-            raise translate(exc) from exc
-        except TimeoutError as exc:  # the pool found no connection in time
-            reraise_if_cancelled()
-            raise errors.Unavailable(f"QL3_UNAVAILABLE: {exc}") from exc
+            except psycopg.Error as exc:
+                reraise_if_cancelled()
+                if attempt == 1 and conn is not None and conn.broken:
+                    # A killed backend or a restarted server: the pool has dropped this
+                    # connection; test the idle ones too (after a restart they are all
+                    # dead) and repeat the read, which is safe, on a working one.
+                    _log(logging.WARNING, "cache_connection_lost", error=str(exc))
+                    await self._pool.check()
+                    continue
+                raise translate(exc) from exc
+            except TimeoutError as exc:  # the pool found no connection in time
+                reraise_if_cancelled()
+                raise errors.Unavailable(f"QL3_UNAVAILABLE: {exc}") from exc
+        raise AssertionError("unreachable")
 
     async def _load_families(self) -> None:
         try:
@@ -456,18 +497,26 @@ class RevisionCache:
             self._load_errors.pop(key, None)
         tick = next(self._ticks)
         try:
-            rows = await self._query(_LOAD_SQL, keys)
+            loaded = await self._read_active(keys)
         except errors.Ql3Error as exc:
             for key in keys:
                 self._load_errors[key] = exc
             raise
         self._reloads += 1
-        for row in rows:
-            key = (row["project_id"], row["contract_family"], row["contract_id"])
+        for key, row in loaded:
             try:
                 self._install(key, row, tick)
             except errors.Ql3Error as exc:
                 self._load_errors[key] = exc
+
+    async def _read_active(self, keys: Sequence[Key]) -> list[tuple[Key, dict[str, Any]]]:
+        """Each key with its row: revision columns (NULL if none active), pointer_version."""
+        if len(keys) == 1:
+            rows = await self._fetch(_LOAD_ONE_SQL, keys[0])
+            if rows:
+                return [(keys[0], rows[0])]
+        rows = await self._query(_LOAD_SQL, keys)
+        return [((r["project_id"], r["contract_family"], r["contract_id"]), r) for r in rows]
 
     def _install(self, key: Key, row: Mapping[str, Any], tick: int) -> None:
         version = int(row["pointer_version"])
@@ -533,13 +582,14 @@ class RevisionCache:
         if self._last_revision_id.get(key, None) != new_id or key not in self._last_revision_id:
             self._last_revision_id[key] = new_id
             if revision is not None:
-                _log(
-                    logging.INFO,
-                    "cache_revision_loaded",
-                    key=list(key),
-                    revision_id=new_id,
-                    pointer_version=version,
-                )
+                if log.isEnabledFor(logging.INFO):
+                    _log(
+                        logging.INFO,
+                        "cache_revision_loaded",
+                        key=list(key),
+                        revision_id=new_id,
+                        pointer_version=version,
+                    )
                 self._fire(key)
 
     def _fire(self, key: Key) -> None:

@@ -23,6 +23,7 @@ import psycopg
 import pytest
 import redis.asyncio as aioredis
 from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
 
 from ql3 import canonical, devservers, errors
 from ql3.cache import BodyHashMismatch, EffectiveRevision, RevisionCache
@@ -420,6 +421,50 @@ def test_heartbeat_loss_degrades_the_cache_and_their_return_restores_it(
                 await until(lambda: c.mode == "normal", 3, "normal mode again")
                 third = await ops.activate(key, {"v": 3})
                 await until_served(c, key, third, 2)
+
+    run(scenario())
+
+
+KILL_CACHE_BACKENDS = """
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000))
+FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'ql3-cache' AND pid <> pg_backend_pid()
+"""
+
+
+@pytest.mark.parametrize("pool_size", [0, 3], ids=["own pool", "given pool of 3"])
+def test_killed_backends_are_replaced_and_the_next_read_succeeds(
+    db: str, redis_url: str, prefix: str, pool_size: int
+) -> None:
+    """No checkout check: a read that finds its connection dead retries on a working one."""
+    key = ("proj", FAMILY, "routing")
+
+    async def scenario() -> None:
+        given: AsyncConnectionPool[Any] | None = None
+        if pool_size:  # several idle connections, all of them killed at once
+            given = AsyncConnectionPool(
+                db,
+                min_size=pool_size,
+                max_size=pool_size,
+                open=False,
+                kwargs={"autocommit": True, "application_name": "ql3-cache"},
+            )
+            await given.open(wait=True)
+        try:
+            async with operator(db) as ops, RevisionCache(given or db, redis_url) as c:
+                # No relay, so no heartbeat: degraded mode reads the database on every use.
+                first = await ops.activate(key, {"v": 1})
+                assert (await c.get_effective(*key)).revision_id == first
+                cur = await ops.conn.execute(KILL_CACHE_BACKENDS)
+                killed = await cur.fetchone()
+                assert killed is not None and killed[0] >= max(1, pool_size)
+                second = await ops.activate(key, {"v": 2})
+                rev = await asyncio.wait_for(c.get_effective(*key), 10)
+                assert rev.revision_id == second
+                assert (await c.get_effective(*key)).revision_id == second
+        finally:
+            if given is not None:
+                await given.close()
 
     run(scenario())
 

@@ -2,7 +2,7 @@
 -- (SPEC 3, 6): pointer swaps with their outbox rows, compare-and-set, revocation, and
 -- atomicity (a failure anywhere leaves pointer, revocations and outbox untouched).
 BEGIN;
-SELECT plan(85);
+SELECT plan(86);
 SET LOCAL client_min_messages = warning;
 
 CREATE SCHEMA IF NOT EXISTS tests;
@@ -371,6 +371,13 @@ SELECT results_eq(
 SELECT is_empty(
     $$SELECT * FROM ql3.active_revision('tap03-nobody', 'policy_routing', 'c1')$$,
     'active_revision returns no row for a contract that was never activated'
+);
+
+-- Every cache reload calls it: as SQL with a pinned search_path it was never inlined and
+-- was planned on every call; PL/pgSQL keeps the plan for the session.
+SELECT function_lang_is(
+    'ql3', 'active_revision', ARRAY['text', 'text', 'text'], 'plpgsql',
+    'active_revision is PL/pgSQL, so its plan is cached per session'
 );
 
 SELECT results_eq(

@@ -19,23 +19,28 @@ def positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
-def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
-    base_dsn: str, redis_url: str, tmp_path: Path
-) -> None:
+def quick_bench(base_dsn: str, redis_url: str, tmp_path: Path, *names: str) -> dict[str, Any]:
+    """``python -m bench --quick --only NAME...`` on the test servers; its results document."""
     results = tmp_path / "latest.json"
     env = dict(os.environ, QL3_TEST_DSN=base_dsn, QL3_TEST_REDIS_URL=redis_url)
+    only = [arg for name in names for arg in ("--only", name)]
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "activations",
-         "--only", "relay_drain", "--results", str(results)],
+        [sys.executable, "-m", "bench", "--quick", *only, "--results", str(results)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-4000:]
+    doc: dict[str, Any] = json.loads(results.read_text())
+    return doc
 
-    doc = json.loads(results.read_text())
+
+def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
+    base_dsn: str, redis_url: str, tmp_path: Path
+) -> None:
+    doc = quick_bench(base_dsn, redis_url, tmp_path, "activations", "relay_drain")
     assert doc["machine"]["nproc"] >= 1
     assert doc["machine"]["postgresql"].startswith("15")
     benches = doc["benchmarks"]
@@ -46,6 +51,9 @@ def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
         assert positive(act["figures"][f"activations_per_s_{clients}_clients"])
         assert positive(act["baseline"][f"pgbench_insert_tps_{clients}_clients"])
         assert positive(act["ratio"][f"{clients}_clients"])
+        assert positive(
+            act["figures"][f"activations_notify_in_transaction_per_s_{clients}_clients"]
+        )
     assert isinstance(act["pass"], bool)
 
     drain = benches["relay_drain"]
@@ -60,19 +68,7 @@ def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
 def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
     base_dsn: str, redis_url: str, tmp_path: Path
 ) -> None:
-    results = tmp_path / "latest.json"
-    env = dict(os.environ, QL3_TEST_DSN=base_dsn, QL3_TEST_REDIS_URL=redis_url)
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "pairs", "--results", str(results)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-
-    pairs = json.loads(results.read_text())["benchmarks"]["pairs"]
+    pairs = quick_bench(base_dsn, redis_url, tmp_path, "pairs")["benchmarks"]["pairs"]
     for clients in (1, 8):
         assert positive(pairs["figures"][f"pairs_per_s_{clients}_clients"])
         assert positive(pairs["baseline"][f"pgbench_tpcb_like_tps_{clients}_clients"])

@@ -174,27 +174,21 @@ $$;
 COMMENT ON FUNCTION ql3._notify_outbox() IS
 'Trigger: wakes relays at COMMIT (not called when ql3.outbox_notify = deferred).';
 
+-- Called on its own, after the COMMIT of deferred outbox writes: a transaction that only
+-- notifies writes no WAL of its own, so its COMMIT waits for no flush and holds the
+-- notification lock for microseconds. Inside a writing transaction it is an ordinary
+-- NOTIFY at that COMMIT (correct, but serialised like the trigger's, D16).
 CREATE FUNCTION ql3.wake_relays() RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, ql3
 AS $$
 BEGIN
-    -- The notification carries no data, so this transaction need not wait for a WAL flush:
-    -- it holds the notification lock for microseconds instead of a whole fsync. That is
-    -- only safe in a transaction that writes nothing, hence the check.
-    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3V01',
-            MESSAGE = 'QL3_INVALID_ARGUMENT: ql3.wake_relays() must run in a transaction of its own, '
-            || 'after the COMMIT it announces';
-    END IF;
-    PERFORM set_config('synchronous_commit', 'off', TRUE);
     PERFORM pg_notify('ql3_contract_outbox', '{"wake": true}');
 END;
 $$;
 
 COMMENT ON FUNCTION ql3.wake_relays() IS
-'Wakes relays at this COMMIT (asynchronous commit: no data). Call after committing with ql3.outbox_notify = deferred.';
+'Wakes relays at this COMMIT. Call it in a transaction of its own after committing with ql3.outbox_notify = deferred.';
 
 CREATE TRIGGER contract_outbox_notify
 AFTER INSERT ON ql3.contract_outbox

@@ -245,6 +245,25 @@ REVOKE ALL ON FUNCTION ql3.jcs(jsonb) FROM PUBLIC;  -- noqa: CP02
 COMMENT ON FUNCTION ql3.jcs(jsonb) IS
 'RFC 8785 canonical JSON text of value under the ql3 rules (SPEC section 2).';
 
+-- The digest framing of SPEC 2, once: lowercase hex SHA-256 of UTF-8(domain) || 0x00 ||
+-- UTF-8(canonical text). One SELECT of one expression, no SET clause, STABLE (as
+-- convert_to is): the planner inlines it into its callers, hot paths included.
+CREATE FUNCTION ql3._framed_digest(domain text, canonical text)
+RETURNS text
+LANGUAGE sql
+STABLE
+PARALLEL SAFE
+SECURITY INVOKER
+AS $function$
+    SELECT encode(
+        sha256(convert_to(domain, 'UTF8') || '\x00'::bytea || convert_to(canonical, 'UTF8')), 'hex'
+    )
+$function$;
+
+REVOKE ALL ON FUNCTION ql3._framed_digest(text, text) FROM PUBLIC;  -- noqa: CP02
+COMMENT ON FUNCTION ql3._framed_digest(text, text) IS
+'Hex SHA-256 of UTF-8(domain) || 0x00 || UTF-8(canonical): the digest framing of SPEC 2.';
+
 CREATE FUNCTION ql3.digest(domain text, value jsonb)
 RETURNS text
 LANGUAGE plpgsql
@@ -256,13 +275,7 @@ SET search_path = pg_catalog, ql3
 SET extra_float_digits = 1
 AS $function$
 BEGIN
-    RETURN encode(
-        sha256(
-            convert_to(domain, 'UTF8') || decode('00', 'hex')
-            || convert_to(ql3._jcs_value(value, 1), 'UTF8')
-        ),
-        'hex'
-    );
+    RETURN ql3._framed_digest(domain, ql3._jcs_value(value, 1));
 END
 $function$;
 
@@ -356,13 +369,7 @@ BEGIN
             MESSAGE = 'QL3_INVALID_ARGUMENT: phase must be admission, completion or '
             || 'resolution, not ' || coalesce(quote_literal(phase), 'NULL');
     END IF;
-    RETURN prefix || encode(
-        sha256(
-            convert_to(domain, 'UTF8') || decode('00', 'hex')
-            || convert_to(ql3._jcs_value(jsonb_build_array(invocation_id, phase), 1), 'UTF8')
-        ),
-        'hex'
-    );
+    RETURN prefix || ql3._framed_digest(domain, ql3._jcs_value(jsonb_build_array(invocation_id, phase), 1));
 END
 $function$;
 
@@ -426,5 +433,6 @@ ql3.dedupe_key(text, text),
 ql3._jcs_value(jsonb, integer),
 ql3._jcs_number(text),
 ql3._jcs_sort_key(text),
-ql3._identity(text, text, text, text)
+ql3._identity(text, text, text, text),
+ql3._framed_digest(text, text)
 TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;

@@ -272,7 +272,7 @@ SET search_path = pg_catalog, ql3
 AS $$
 DECLARE
     hash text;
-    body_bytes integer;
+    canonical text;
     next_no integer;
     result ql3.contract_revisions;
 BEGIN
@@ -286,14 +286,14 @@ BEGIN
             MESSAGE = format('QL3_INVALID_ARGUMENT: body must be a JSON object, not %s',
                              coalesce(jsonb_typeof(p_body), 'NULL'));
     END IF;
-    body_bytes := octet_length(ql3.jcs(p_body));
-    IF body_bytes > 24576 THEN
+    canonical := ql3.jcs(p_body);  -- once: its size and its digest
+    IF octet_length(canonical) > 24576 THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3V02',
             MESSAGE = format('QL3_RECORD_TOO_LARGE: body is %s bytes of canonical JSON (at most 24576)',
-                             body_bytes);
+                             octet_length(canonical));
     END IF;
-    hash := ql3.digest('ql3/contract-body@v1', p_body);
+    hash := ql3._framed_digest('ql3/contract-body@v1', canonical);
 
     PERFORM ql3._lock_pointer(p_project_id, p_contract_family, p_contract_id, p_actor);
 
@@ -452,11 +452,8 @@ BEGIN
     revision := ql3._revision_of(p_revision_id);
     pointer := ql3._lock_pointer(revision.project_id, revision.contract_family, revision.contract_id, p_actor);
 
-    IF EXISTS (SELECT 1 FROM ql3.revision_revocations AS v WHERE v.revision_id = p_revision_id) THEN
-        RETURN NULL;
-    END IF;
-    -- Under REPEATABLE READ a revocation committed after our snapshot is invisible to the
-    -- check above; ON CONFLICT then raises a serialization failure instead of 23505.
+    -- Already revoked: nothing to do. (Under REPEATABLE READ a revocation committed after
+    -- our snapshot makes ON CONFLICT raise a serialization failure instead.)
     INSERT INTO ql3.revision_revocations (revision_id, reason, revoked_by)
     VALUES (p_revision_id, p_reason, p_actor)
     ON CONFLICT (revision_id) DO NOTHING;

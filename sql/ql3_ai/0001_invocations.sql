@@ -221,8 +221,9 @@ BEGIN
         got := jsonb_typeof(command -> fields[i]);
         IF got = 'number' THEN
             num := command ->> fields[i];
-            CONTINUE WHEN kind LIKE 'integer%' AND left(num, 1) <> '-'
-                AND (strpos(num, '.') = 0 OR num::numeric = trunc(num::numeric));
+            -- An integer is written without a fraction: 512.0 is refused here, as on SQLite
+            -- (D15), rather than by PostgreSQL's own 22P02 at a later cast.
+            CONTINUE WHEN kind LIKE 'integer%' AND left(num, 1) <> '-' AND strpos(num, '.') = 0;
         ELSIF got = 'null' THEN
             CONTINUE WHEN kind LIKE '%?';
         ELSE
@@ -254,9 +255,7 @@ BEGIN
             MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
                              what, octet_length(canonical));
     END IF;
-    RETURN encode(
-        sha256(convert_to(domain, 'UTF8') || '\x00'::bytea || convert_to(canonical, 'UTF8')), 'hex'
-    );
+    RETURN ql3._framed_digest(domain, canonical);
 END;
 $$;
 
@@ -351,15 +350,15 @@ AS $$
     -- expression (no function call per admission or completion); STABLE because to_json
     -- and convert_to are.
     SELECT ARRAY[
-        'mut_' || encode(sha256(convert_to('ql3/mutation-id@v1', 'UTF8') || decode('00', 'hex') || convert_to(
+        'mut_' || ql3._framed_digest('ql3/mutation-id@v1',
             '[' || coalesce(to_json(invocation_id)::text, 'null') || ',' || coalesce(to_json(phase)::text, 'null')
-            || ']', 'UTF8')), 'hex'),
-        'evt_' || encode(sha256(convert_to('ql3/run-event-id@v1', 'UTF8') || decode('00', 'hex') || convert_to(
+            || ']'),
+        'evt_' || ql3._framed_digest('ql3/run-event-id@v1',
             '[' || coalesce(to_json(invocation_id)::text, 'null') || ',' || coalesce(to_json(phase)::text, 'null')
-            || ']', 'UTF8')), 'hex'),
-        'ddp_' || encode(sha256(convert_to('ql3/dedupe-key@v1', 'UTF8') || decode('00', 'hex') || convert_to(
+            || ']'),
+        'ddp_' || ql3._framed_digest('ql3/dedupe-key@v1',
             '[' || coalesce(to_json(invocation_id)::text, 'null') || ',' || coalesce(to_json(phase)::text, 'null')
-            || ']', 'UTF8')), 'hex')
+            || ']')
     ]
 $$;
 
@@ -465,9 +464,7 @@ BEGIN
                 MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
                                  'admission command', octet_length(canonical));
         END IF;
-        command_digest := encode(sha256(
-            convert_to('ql3/model-invocation-admission@v1', 'UTF8') || decode('00', 'hex')
-            || convert_to(canonical, 'UTF8')), 'hex');
+        command_digest := ql3._framed_digest('ql3/model-invocation-admission@v1', canonical);
     ELSE
         PERFORM ql3_ai._check_shape(
             'admission command', command, 'ql3/model-invocation-admission@v1',
@@ -654,9 +651,7 @@ BEGIN
                 MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
                                  'start record', octet_length(canonical));
         END IF;
-        start_digest := encode(sha256(
-            convert_to('ql3/model-invocation-start@v1', 'UTF8') || decode('00', 'hex')
-            || convert_to(canonical, 'UTF8')), 'hex');
+        start_digest := ql3._framed_digest('ql3/model-invocation-start@v1', canonical);
         -- The result parsed once; the stored record is its "start" (a copy of the bytes).
         result := format('{"start":%s,"start_digest":"%s","status":"created"}', canonical, start_digest)::jsonb;
         receipt := result -> 'start';
@@ -799,9 +794,7 @@ BEGIN
                 MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
                                  'completion record', octet_length(canonical));
         END IF;
-        completion_digest := encode(sha256(
-            convert_to('ql3/model-invocation-completion@v1', 'UTF8') || decode('00', 'hex')
-            || convert_to(canonical, 'UTF8')), 'hex');
+        completion_digest := ql3._framed_digest('ql3/model-invocation-completion@v1', canonical);
         -- The result parsed once; the stored record is its "completion" (a copy of the bytes).
         result := format('{"completion":%s,"completion_digest":"%s","status":"created"}', canonical,
                          completion_digest)::jsonb;
@@ -948,9 +941,7 @@ BEGIN
                 MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of canonical JSON (at most 24576)',
                                  'completion command', octet_length(canonical));
         END IF;
-        command_digest := encode(sha256(
-            convert_to('ql3/model-invocation-completion-command@v1', 'UTF8') || decode('00', 'hex')
-            || convert_to(canonical, 'UTF8')), 'hex');
+        command_digest := ql3._framed_digest('ql3/model-invocation-completion-command@v1', canonical);
     ELSE
         PERFORM ql3_ai._check_shape(
             'completion command', command, 'ql3/model-invocation-completion-command@v1',

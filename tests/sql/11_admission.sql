@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(103);
+SELECT plan(107);
 
 -- Fixture: run R1 (proj/trace-1) with model steps S1..S5 and a tool step; run R2 (proj/trace-2)
 -- with one step; run R3 for the identity vectors.
@@ -14,6 +14,7 @@ SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000001', 'model', ('bbbbb
 FROM generate_series(1, 5) AS g;
 SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000001', 'tool', 'bbbbbbbb-0000-0000-0000-0000000000ff');
 SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000002', 'model', 'bbbbbbbb-0000-0000-0000-000000000021');
+SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000002', 'model', 'bbbbbbbb-0000-0000-0000-000000000022');
 SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000003', 'model', 'bbbbbbbb-0000-0000-0000-000000000031');
 SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000003', 'model', 'bbbbbbbb-0000-0000-0000-000000000032');
 
@@ -409,6 +410,22 @@ SELECT is(
     (SELECT ql3_ai._checked_digest('test', 'ql3/model-invocation-admission@v1', c) FROM cmd),
     (SELECT ql3.digest('ql3/model-invocation-admission@v1', c) FROM cmd),
     'ql3_ai._checked_digest agrees with ql3.digest'
+);
+
+-- Integers written with a fraction (512.0) are refused with our own code (as on SQLite,
+-- D15), not PostgreSQL's 22P02 from a later cast.
+CREATE TEMP TABLE whole AS
+SELECT tests.admission(
+    'inv-whole', 'aaaaaaaa-0000-0000-0000-000000000002', 'bbbbbbbb-0000-0000-0000-000000000022', 1,
+    p_trace_id => 'trace-2'
+) AS c;
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{input_bytes}', '512.0')) FROM whole$$,
+    'Q3V01', 'an input_bytes written 512.0 is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{expected_step_run_version}', '1.0')) FROM whole$$,
+    'Q3V01', 'an expected_step_run_version written 1.0 is QL3_INVALID_ARGUMENT'
 );
 
 RESET ROLE;

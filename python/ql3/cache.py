@@ -55,12 +55,14 @@ from ql3.logs import backoff_delay
 from ql3.relay import (
     DEFAULT_CHANNEL_PREFIX,
     HEARTBEAT_NAME,
+    REDIS_ERRORS,
     heartbeat_channel,
     make_redis,
+    project_channel,
     reraise_if_cancelled,
 )
 
-BODY_DOMAIN = "ql3/contract-body@v1"
+BODY_DOMAIN = canonical.BODY_DOMAIN
 DEFAULT_STALENESS = 30.0
 
 log = logging.getLogger("ql3.cache")
@@ -68,8 +70,6 @@ log = logging.getLogger("ql3.cache")
 Key = tuple[str, str, str]
 Mode = Literal["starting", "normal", "degraded", "closed"]
 ChangeCallback = Callable[["EffectiveRevision"], "Awaitable[None] | None"]
-
-_REDIS_ERRORS: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
 
 # One key (the reload a message triggers): one function call in one round trip. No row
 # means no revision is active; _LOAD_SQL then reads the pointer_version to install.
@@ -80,7 +80,6 @@ FROM ql3.active_revision(%s, %s, %s)
 
 _LOAD_SQL = """
 SELECT p.project_id, p.contract_family, p.contract_id, p.pointer_version,
-       p.revision_id AS pointer_revision_id,
        r.revision_id, r.revision_no, r.body, r.body_hash
 FROM ql3.active_pointers(%s::jsonb) AS p
 LEFT JOIN LATERAL ql3.active_revision(p.project_id, p.contract_family, p.contract_id) AS r
@@ -277,7 +276,7 @@ class RevisionCache:
         for pending in list(self._callback_tasks):
             pending.cancel()
         if self._redis is not None:
-            with contextlib.suppress(*_REDIS_ERRORS):
+            with contextlib.suppress(*REDIS_ERRORS):
                 await self._redis.aclose()
             self._redis = None
         if self._owns_pool:
@@ -496,12 +495,7 @@ class RevisionCache:
         for key in keys:
             self._load_errors.pop(key, None)
         tick = next(self._ticks)
-        try:
-            loaded = await self._read_active(keys)
-        except errors.Ql3Error as exc:
-            for key in keys:
-                self._load_errors[key] = exc
-            raise
+        loaded = await self._read_active(keys)  # a failed read raises to the caller itself
         self._reloads += 1
         for key, row in loaded:
             try:
@@ -579,7 +573,7 @@ class RevisionCache:
             )
         self._load_errors.pop(key, None)
         new_id = None if revision is None else revision.revision_id
-        if self._last_revision_id.get(key, None) != new_id or key not in self._last_revision_id:
+        if self._last_revision_id.get(key) != new_id:
             self._last_revision_id[key] = new_id
             if revision is not None:
                 if log.isEnabledFor(logging.INFO):
@@ -695,7 +689,7 @@ class RevisionCache:
         """(patterns, channels) to subscribe to."""
         if self._projects is None:
             return [f"{self._prefix}:*"], []
-        channels = [f"{self._prefix}:{p}" for p in self._projects]
+        channels = [project_channel(self._prefix, p) for p in self._projects]
         return [], [*channels, self._heartbeat_channel]
 
     async def _subscription_loop(self) -> None:
@@ -731,7 +725,7 @@ class RevisionCache:
                         self._on_message(message.get("channel"), message.get("data"))
             except asyncio.CancelledError:
                 raise
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 reraise_if_cancelled()
                 failures += 1
                 if self._subscribed or failures == 1:
@@ -797,7 +791,7 @@ class RevisionCache:
                 raise ValueError(f"{name} must be a non-empty string")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError("pointer_version must be a non-negative integer")
-        if channel != f"{self._prefix}:{project_id}":
+        if channel != project_channel(self._prefix, project_id):
             raise ValueError(f"project {project_id!r} published on {channel!r}")
         key = (project_id, family, contract_id)
         if key not in self._known:

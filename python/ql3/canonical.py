@@ -28,6 +28,8 @@ MAX_SAFE_INTEGER: Final = 2**53 - 1
 MAX_RECORD_BYTES: Final = 24576
 MAX_IDENTIFIER_CHARS: Final = 128
 MAX_DEPTH: Final = 64
+# The digest domain of contract revision bodies (body_hash).
+BODY_DOMAIN: Final = "ql3/contract-body@v1"
 """Most containers on any path from the root (``[[]]`` has depth 2); ql3.jcs agrees."""
 
 PHASES: Final = ("admission", "completion", "resolution")

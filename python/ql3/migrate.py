@@ -224,12 +224,17 @@ class StreamStatus:
 
 @dataclass(frozen=True)
 class ReadyReport:
-    """Readiness of the checked streams; every mapping is keyed by stream name."""
+    """Readiness of the checked streams; every mapping is keyed by stream name.
+
+    ``qualify`` names tables ``schema.table`` (PostgreSQL); the SQLite edge store has no
+    schemas and reports bare names.
+    """
 
     missing: Mapping[str, frozenset[str]]
     unexpected: Mapping[str, frozenset[str]]
     pending: Mapping[str, tuple[str, ...]]
     problems: Mapping[str, tuple[str, ...]]
+    qualify: bool = True
 
     @property
     def ok(self) -> bool:
@@ -245,7 +250,7 @@ class ReadyReport:
             return "ready"
         lines: list[str] = []
         for stream in self.pending:
-            schema = STREAMS[stream].schema
+            prefix = f"{STREAMS[stream].schema}." if self.qualify else ""
             lines.extend(f"{stream}: {problem}" for problem in self.problems[stream])
             if self.pending[stream]:
                 lines.append(f"{stream}: pending migrations: {', '.join(self.pending[stream])}")
@@ -254,12 +259,9 @@ class ReadyReport:
                 ("unexpected", self.unexpected[stream]),
             ):
                 if tables:
-                    lines.append(f"{stream}: {label} tables: {_qualified(schema, tables)}")
+                    names = ", ".join(prefix + table for table in sorted(tables))
+                    lines.append(f"{stream}: {label} tables: {names}")
         return "\n".join(lines)
-
-
-def _qualified(schema: str, tables: frozenset[str]) -> str:
-    return ", ".join(f"{schema}.{table}" for table in sorted(tables))
 
 
 # --------------------------------------------------------------------------- files

@@ -45,7 +45,7 @@ from ql3 import errors
 from ql3.cli import print_json
 from ql3.db import dsn_from_env
 from ql3.invocations import format_timestamp
-from ql3.logs import backoff_delay, configure_logging
+from ql3.logs import backoff_delay, configure_logging, describe_error
 from ql3.store import PgStore, Row
 
 MAX_LIMIT = 10000
@@ -256,7 +256,7 @@ class RecoveryLoop:
         with self._changed:
             self.errors += 1
             self.consecutive_errors += 1
-            self.last_error = _describe(exc)
+            self.last_error = describe_error(exc)
             failures = self.consecutive_errors
             self._changed.notify_all()
         self.metrics.errors.inc()
@@ -346,11 +346,6 @@ def _handler_for(loop: RecoveryLoop) -> type[BaseHTTPRequestHandler]:
             pass  # scrapes every few seconds would drown the JSON log
 
     return Handler
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # -- command line ----------------------------------------------------------------------

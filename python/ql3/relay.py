@@ -54,7 +54,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
-from ql3.logs import backoff_delay, configure_logging
+from ql3.logs import backoff_delay, configure_logging, describe_error
 
 NOTIFY_CHANNEL = "ql3_contract_outbox"
 DEFAULT_CHANNEL_PREFIX = "platform:contract:invalidate"
@@ -63,7 +63,8 @@ DEFAULT_METRICS_PORT = 9464
 
 log = logging.getLogger("ql3.relay")
 
-_REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+# What a Redis call raises when Redis is unreachable or failing (clients run with retries off).
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
 
 def reraise_if_cancelled() -> None:
@@ -359,7 +360,7 @@ class Relay:
     async def _close_connections(self) -> None:
         await self._close_pg()
         if self._redis is not None:
-            with contextlib.suppress(*_REDIS_ERRORS):
+            with contextlib.suppress(*REDIS_ERRORS):
                 await self._redis.aclose()
             self._redis = None
             self._publish_script = None
@@ -421,7 +422,7 @@ class Relay:
                     logging.WARNING,
                     "postgres_failed",
                     relay_id=self.relay_id,
-                    error=_describe(exc),
+                    error=describe_error(exc),
                     attempt=pg_failures,
                 )
                 await self._close_pg()
@@ -490,7 +491,7 @@ class Relay:
                     settling = None
                 if failure is not None:
                     await self._settle(conn, rows, failure)
-                    raise RedisUnavailable(_describe(failure)) from failure
+                    raise RedisUnavailable(describe_error(failure)) from failure
                 if len(rows) < self.config.batch:
                     await self._settle(conn, rows, None)
                     return
@@ -602,7 +603,7 @@ class Relay:
         failure = await self._try_publish(conn, rows)
         await self._settle(conn, rows, failure)
         if failure is not None:
-            raise RedisUnavailable(_describe(failure)) from failure
+            raise RedisUnavailable(describe_error(failure)) from failure
         return len(rows)
 
     async def _claim(self, conn: psycopg.AsyncConnection[Any]) -> list[ClaimedRow]:
@@ -624,7 +625,7 @@ class Relay:
             return None
         try:
             await self._publish(rows)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 await _rollback_quietly(conn)
@@ -659,7 +660,7 @@ class Relay:
                 else:
                     await conn.execute(
                         "SELECT ql3.mark_outbox_failed(%s::bigint[], %s::text)",
-                        (seqs, _describe(failure)),
+                        (seqs, describe_error(failure)),
                     )
             await conn.execute("COMMIT")
         except BaseException:
@@ -673,7 +674,7 @@ class Relay:
             self.metrics.up.set(1 if self._redis_ok else 0)
             return
         self.metrics.up.set(1)
-        self.delivered_seq = max(self.delivered_seq, max(row[0] for row in rows))
+        self.delivered_seq = max(self.delivered_seq, rows[-1][0])  # claimed in seq order
         self.published += len(rows)
         self.metrics.published.inc(len(rows))
         self.metrics.delivered_seq.set(self.delivered_seq)
@@ -754,7 +755,7 @@ class Relay:
                 }
                 try:
                     await self._redis_client().publish(channel, json.dumps(payload))
-                except _REDIS_ERRORS as exc:
+                except REDIS_ERRORS as exc:
                     reraise_if_cancelled()
                     self._redis_ok = False
                     if not warned:
@@ -762,7 +763,7 @@ class Relay:
                             logging.WARNING,
                             "heartbeat_failed",
                             relay_id=self.relay_id,
-                            error=_describe(exc),
+                            error=describe_error(exc),
                         )
                     warned = True
                 else:
@@ -834,11 +835,6 @@ class Relay:
                 await writer.wait_closed()
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 async def _rollback_quietly(conn: psycopg.AsyncConnection[Any]) -> None:
     """End a failed batch's transaction if the connection still can (it may be gone)."""
     with contextlib.suppress(Exception):
@@ -848,7 +844,7 @@ async def _rollback_quietly(conn: psycopg.AsyncConnection[Any]) -> None:
 def _as_pg_error(exc: BaseException) -> psycopg.Error:
     if isinstance(exc, psycopg.Error):
         return exc
-    return psycopg.OperationalError(f"LISTEN connection lost: {_describe(exc)}")
+    return psycopg.OperationalError(f"LISTEN connection lost: {describe_error(exc)}")
 
 
 # -- command line ----------------------------------------------------------------------

@@ -44,7 +44,7 @@ log = logging.getLogger("ql3.edge.cache")
 Key = tuple[str, str, str]
 ChangeCallback = Callable[["EffectiveRevision"], Any]
 
-BODY_DOMAIN = "ql3/contract-body@v1"
+BODY_DOMAIN = canonical.BODY_DOMAIN
 _PENDING: set[asyncio.Task[None]] = set()
 DEFAULT_STALENESS = 30.0
 

@@ -11,11 +11,11 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-from ql3 import errors
+from ql3 import canonical, errors
 from ql3.edge.checks import check_identifier, checked_digest, invalid, json_type
 from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain
 
-BODY_DOMAIN: Final = "ql3/contract-body@v1"
+BODY_DOMAIN = canonical.BODY_DOMAIN
 
 _OUTBOX_INSERT: Final = """
 INSERT INTO contract_outbox (event_id, event_type, project_id, contract_family, contract_id,

@@ -36,6 +36,7 @@ from ql3.invocations import (
     RESOLUTION_COMMAND_SCHEMA,
     RESOLUTION_SCHEMA,
     START_SCHEMA,
+    completion_command,
 )
 
 ADMISSION_FIELDS: Final = (
@@ -319,14 +320,13 @@ def _write_completion(
         output_tokens = as_optional_bigint(usage["output_tokens"])
         cost_micros = as_optional_bigint(usage["cost_micros"])
         currency = usage["currency"]
-    output_ref = f"model-invocation:{invocation_id}" if outcome == "succeeded" else None
-    if usage is not None:
         usage = {
             "input_tokens": input_tokens,
             "output_tokens": output_tokens,
             "cost_micros": cost_micros,
             "currency": currency,
         }
+    output_ref = f"model-invocation:{invocation_id}" if outcome == "succeeded" else None
     mutation_id, event_id, dedupe_key = _identities(invocation_id, "completion")
     run = _bump_run(tx, start["run_id"])
     tx.point("after_run_update")
@@ -694,16 +694,9 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
     )
     recovered: list[dict[str, Any]] = []
     for start in expired:
-        command = {
-            "schema": COMPLETION_COMMAND_SCHEMA,
-            "invocation_id": start["invocation_id"],
-            "start_digest": start["start_digest"],
-            "outcome": "lost",
-            "result_code": "outcome_unknown",
-            "output_bytes": None,
-            "output_digest": None,
-            "usage": None,
-        }
+        command = completion_command(
+            invocation_id=start["invocation_id"], start_digest=start["start_digest"], outcome="lost"
+        )
         command_digest, _ = checked_digest("completion command", COMPLETION_COMMAND_SCHEMA, command)
         result = _write_completion(tx, start, int(start["version"]), command, command_digest, True)
         recovered.append(

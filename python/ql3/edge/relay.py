@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ql3.edge.db import Row, utc_text
-from ql3.logs import backoff_delay
+from ql3.logs import backoff_delay, describe_error
 
 if TYPE_CHECKING:
     import redis
@@ -41,11 +41,6 @@ Subscriber = Callable[[str, dict[str, Any]], None]
 
 class DeliveryFailed(Exception):
     """A batch could not be delivered; its rows were marked failed and stay undelivered."""
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class EdgeRelay:
@@ -136,7 +131,7 @@ class EdgeRelay:
                 self._deliver(rows)
             except Exception as exc:
                 self.failures += 1
-                self.last_error = _describe(exc)
+                self.last_error = describe_error(exc)
                 self.store.mark_outbox_failed(seqs, self.last_error)
                 log.warning("edge relay delivery failed: %s", self.last_error)
                 raise DeliveryFailed(self.last_error) from exc
@@ -197,7 +192,7 @@ class EdgeRelay:
         try:
             self._client().publish(channel, json.dumps(payload))
         except Exception as exc:  # a missed heartbeat is what workers are told to detect
-            log.warning("edge relay heartbeat failed: %s", _describe(exc))
+            log.warning("edge relay heartbeat failed: %s", describe_error(exc))
 
     # -- background thread ------------------------------------------------------------
 
@@ -243,7 +238,7 @@ class EdgeRelay:
             except Exception as exc:
                 failures += 1
                 if not isinstance(exc, DeliveryFailed):
-                    log.warning("edge relay cycle failed: %s", _describe(exc))
+                    log.warning("edge relay cycle failed: %s", describe_error(exc))
                 delay = backoff_delay(failures, initial=self.backoff_initial, cap=self.backoff_max)
                 self._stop.wait(delay)
                 continue

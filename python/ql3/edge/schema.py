@@ -20,8 +20,7 @@ With AI off an installed AI feature is reported, not tolerated: open the file wi
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -33,6 +32,7 @@ from ql3.migrate import (
     Applied,
     LedgerRow,
     Migration,
+    ReadyReport,
     Stream,
     expected_tables,
     ledger_problems,
@@ -90,39 +90,8 @@ CREATE TABLE IF NOT EXISTS {AI_LEDGER} (
 EDGE_STREAMS: Final = {CORE: EDGE_CORE, AI: EDGE_AI}
 
 
-@dataclass(frozen=True)
-class EdgeReadyReport:
-    """Readiness of one file; every mapping is keyed by stream name."""
-
-    missing: Mapping[str, frozenset[str]]
-    unexpected: Mapping[str, frozenset[str]]
-    pending: Mapping[str, tuple[str, ...]]
-    problems: Mapping[str, tuple[str, ...]]
-
-    @property
-    def ok(self) -> bool:
-        return not any(
-            group[stream]
-            for group in (self.missing, self.unexpected, self.pending, self.problems)
-            for stream in group
-        )
-
-    def describe(self) -> str:
-        """``ready``, or one line per difference found."""
-        if self.ok:
-            return "ready"
-        lines: list[str] = []
-        for stream in self.pending:
-            lines.extend(f"{stream}: {problem}" for problem in self.problems[stream])
-            if self.pending[stream]:
-                lines.append(f"{stream}: pending migrations: {', '.join(self.pending[stream])}")
-            for label, tables in (
-                ("missing", self.missing[stream]),
-                ("unexpected", self.unexpected[stream]),
-            ):
-                if tables:
-                    lines.append(f"{stream}: {label} tables: {', '.join(sorted(tables))}")
-        return "\n".join(lines)
+# The PostgreSQL report, naming tables without a schema (SQLite has none).
+EdgeReadyReport = ReadyReport
 
 
 def load_edge_migrations(
@@ -271,8 +240,8 @@ def ready_report(db: Database, *, ai: bool, sql_root: Path | None = None) -> Edg
                 *problems[CORE],
                 "the ql3_ai feature is installed in this file: open it with ai=True",
             )
-    return EdgeReadyReport(
-        missing=missing, unexpected=unexpected, pending=pending, problems=problems
+    return ReadyReport(
+        missing=missing, unexpected=unexpected, pending=pending, problems=problems, qualify=False
     )
 
 

@@ -59,7 +59,6 @@ from ql3.invocations import (
     Usage,
     admission_command,
     completion_command,
-    format_timestamp,
     request_digest,
 )
 from ql3.providers import (
@@ -598,7 +597,6 @@ class ModelGateway:
         itself is not, and runs to the database's answer whatever happens to the caller.
         """
         loop = asyncio.get_running_loop()
-        deadline_text = format_timestamp(call.deadline_at)
         remaining = (call.deadline_at - datetime.now(UTC)).total_seconds()
         deadline = loop.time() + remaining
         for attempt in (1, 2):
@@ -609,17 +607,9 @@ class ModelGateway:
             except TimeoutError as exc:
                 if not timer.expired():
                     raise
-                raise ModelDeadlineExceeded(
-                    "MODEL_DEADLINE_EXCEEDED: the deadline passed before admission; nothing "
-                    "was admitted",
-                    invocation_id=call.invocation_id,
-                ) from exc
+                raise _late_before_admission(call) from exc
             if loop.time() >= deadline:
-                raise ModelDeadlineExceeded(
-                    "MODEL_DEADLINE_EXCEEDED: the deadline passed before admission; nothing "
-                    "was admitted",
-                    invocation_id=call.invocation_id,
-                )
+                raise _late_before_admission(call)
             done = await self._store_call(self._store.admit_invocation, plan.command)
             if done.error is not None:
                 if isinstance(done.error, errors.StaleRevision) and attempt == 1:
@@ -649,11 +639,11 @@ class ModelGateway:
                     invocation_id=call.invocation_id,
                 ) from done.error
             assert done.value is not None
-            return await self._admitted(call, plan, done, deadline, deadline_text)
+            return await self._admitted(call, plan, done, deadline)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _admitted(
-        self, call: ModelCall, plan: _Plan, done: _Finished, deadline: float, deadline_text: str
+        self, call: ModelCall, plan: _Plan, done: _Finished, deadline: float
     ) -> _Admission:
         assert done.value is not None
         status, start = done.value.get("status"), done.value.get("start")
@@ -684,7 +674,7 @@ class ModelGateway:
         # The database clock (admitted_at) and ours both count: either one past the
         # deadline means the call would start late. Same fixed format: text order is time order.
         late = asyncio.get_running_loop().time() >= deadline or (
-            str(start.get("admitted_at", "")) >= deadline_text
+            str(start.get("admitted_at", "")) >= str(plan.command["deadline_at"])
         )
         if done.cancelled:
             outcome = Outcome.TIMED_OUT if late else Outcome.FAILED
@@ -858,7 +848,6 @@ class ModelGateway:
     async def _stream(self, call: ModelCall, sink: ModelStream) -> AsyncGenerator[str, None]:
         admission = await self._admit(call, stream=True)
         events = self._provider.stream(admission.plan.route, admission.plan.body)
-        timer = asyncio.timeout_at(admission.deadline)
         final: ProviderResponse | None = None
         try:
             try:
@@ -887,6 +876,13 @@ class ModelGateway:
             error.completion, _ = await self._settle(admission, command)
             raise error from exc
         sink.result = await self._succeed(admission, final)
+
+
+def _late_before_admission(call: ModelCall) -> ModelDeadlineExceeded:
+    return ModelDeadlineExceeded(
+        "MODEL_DEADLINE_EXCEEDED: the deadline passed before admission; nothing was admitted",
+        invocation_id=call.invocation_id,
+    )
 
 
 async def _close_quietly(events: AsyncIterator[StreamEvent]) -> None:

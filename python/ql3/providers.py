@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ql3 import errors
-from ql3.invocations import Usage
+from ql3.invocations import Usage, output_digest
 
 TOPOLOGY_PROJECT: Final = "__platform__"
 TOPOLOGY_FAMILY: Final = "platform_resource"
@@ -310,7 +310,19 @@ class _Client:
         return found
 
     async def send(self, url: str, body: bytes, accept: str) -> httpx.Response:
-        """POST ``body`` as JSON; the response, its body not read yet (``aclose`` it)."""
+        """POST ``body`` as JSON; the response, its body not read yet (``aclose`` it).
+
+        A connection that could not be made (refused, or the connect timeout: nothing was
+        sent) raises ``ProviderUnreachable``.
+        """
+        try:
+            return await self._send(url, body, accept)
+        except httpx.ConnectError as exc:
+            raise ProviderUnreachable(f"{url}: {exc}") from exc
+        except httpx.ConnectTimeout as exc:
+            raise ProviderUnreachable(f"{url}: connect timeout") from exc
+
+    async def _send(self, url: str, body: bytes, accept: str) -> httpx.Response:
         if not self.direct:
             request = self.http.build_request(
                 "POST",
@@ -476,19 +488,14 @@ class OpenAICompatibleProvider:
         """One non-streaming call."""
         client = self._acquire()
         try:
-            try:
-                response = await client.send(route.url, body, _ACCEPT_JSON)
-            except httpx.ConnectError as exc:  # includes nothing sent on a refused connect
-                raise ProviderUnreachable(f"{route.url}: {exc}") from exc
-            except httpx.ConnectTimeout as exc:
-                raise ProviderUnreachable(f"{route.url}: connect timeout") from exc
+            response = await client.send(route.url, body, _ACCEPT_JSON)
             try:
                 raw = await _read_body(response)
             finally:
                 await response.aclose()
         finally:
             self._release(client)
-        size, digest = len(raw), hashlib.sha256(raw).hexdigest()
+        size, digest = len(raw), output_digest(raw)
         _raise_for_status(response.status_code, raw, size, digest)
         text, finish, usage = _parse_completion(raw)
         return ProviderResponse(
@@ -503,12 +510,7 @@ class OpenAICompatibleProvider:
         """
         client = self._acquire()
         try:
-            try:
-                response = await client.send(route.url, body, _ACCEPT_SSE)
-            except httpx.ConnectError as exc:
-                raise ProviderUnreachable(f"{route.url}: {exc}") from exc
-            except httpx.ConnectTimeout as exc:
-                raise ProviderUnreachable(f"{route.url}: connect timeout") from exc
+            response = await client.send(route.url, body, _ACCEPT_SSE)
             try:
                 async for event in _read_stream(response):
                     yield event
@@ -566,7 +568,7 @@ async def _read_stream(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     size = 0
     if response.status_code != 200:
         raw = await response.aread()
-        _raise_for_status(response.status_code, raw, len(raw), hashlib.sha256(raw).hexdigest())
+        _raise_for_status(response.status_code, raw, len(raw), output_digest(raw))
     buffer = b""
     pending: list[bytes] = []
     text: list[str] = []

@@ -12,6 +12,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -20,8 +21,11 @@ import pytest
 from ql3 import errors
 from ql3.devservers import free_port
 from ql3.gateway import (
+    ModelAuditUnavailable,
     ModelCall,
+    ModelDeadlineExceeded,
     ModelGateway,
+    ModelProviderFailed,
     PolicyRoute,
     choose_route,
     deadline_in,
@@ -511,3 +515,112 @@ def test_uuids_in_commands_have_one_spelling_however_they_are_given() -> None:
     for wrong in ("0a1b2c3d-0000-4000-8000-00000000abc", canonical + "\n", "", "x" * 36):
         with pytest.raises(errors.InvalidArgument):
             format_uuid(wrong)
+
+
+# -- gateway error paths, without a database -----------------------------------------------------
+
+
+class InstantStore:
+    """An InvocationStore that admits at once (or raises ``admit_error``) and records calls."""
+
+    def __init__(self, admit_error: Exception | None = None) -> None:
+        self.admit_error = admit_error
+        self.admissions: list[Mapping[str, Any]] = []
+        self.completions: list[Mapping[str, Any]] = []
+
+    def admit_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]:
+        self.admissions.append(command)
+        if self.admit_error is not None:
+            raise self.admit_error
+        start = {"invocation_id": command["invocation_id"], "admitted_at": "2000-01-01"}
+        return {"status": "created", "start": start, "start_digest": "s" * 64}
+
+    def complete_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]:
+        self.completions.append(command)
+        completion = {"outcome": command["outcome"], "result_code": command["result_code"]}
+        return {"status": "created", "completion": completion, "completion_digest": "c" * 64}
+
+
+def gateway_with(
+    store: InstantStore, handler: Callable[[httpx.Request], httpx.Response]
+) -> ModelGateway:
+    policies = Policies()
+    provider = OpenAICompatibleProvider(
+        policies, transport_factory=lambda: httpx.MockTransport(handler)
+    )
+    return ModelGateway(store, policies, provider, store_threads=1)
+
+
+def refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def test_an_unreachable_provider_is_a_failed_call_with_no_status() -> None:
+    store = InstantStore()
+
+    async def scenario() -> None:
+        async with gateway_with(store, refuse) as gateway:
+            with pytest.raises(ModelProviderFailed) as raised:
+                await gateway.invoke(a_call())
+        assert raised.value.status is None
+        assert [(c["outcome"], c["result_code"]) for c in store.completions] == [
+            ("failed", "provider_unreachable")
+        ]
+
+    run(scenario())
+
+
+def test_a_deadline_already_past_admits_nothing_and_calls_no_provider() -> None:
+    store, calls = InstantStore(), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(500)
+
+    async def scenario() -> None:
+        call = a_call()
+        late = ModelCall(
+            **{**call.__dict__, "deadline_at": datetime.now(UTC) - timedelta(seconds=1)}
+        )
+        async with gateway_with(store, handler) as gateway:
+            with pytest.raises(ModelDeadlineExceeded, match="nothing was admitted"):
+                await gateway.invoke(late)
+        assert (store.admissions, store.completions, calls) == ([], [], [])
+
+    run(scenario())
+
+
+def test_a_policy_stale_twice_is_audit_unavailable_with_no_provider_call() -> None:
+    store, calls = InstantStore(errors.StaleRevision("QL3_STALE_REVISION: moved")), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(500)
+
+    async def scenario() -> None:
+        async with gateway_with(store, handler) as gateway:
+            with pytest.raises(ModelAuditUnavailable):
+                await gateway.invoke(a_call())
+        assert len(store.admissions) == 2  # the policy was reloaded and admitted once more
+        assert (store.completions, calls) == ([], [])
+
+    run(scenario())
+
+
+def test_a_stream_answered_with_an_http_error_is_a_provider_error() -> None:
+    async def scenario() -> None:
+        adapter = adapter_with(lambda request: httpx.Response(404, content=b'{"error": "no"}'))
+        with pytest.raises(ProviderError) as raised:
+            await collect(adapter)
+        assert raised.value.status == 404
+        await adapter.aclose()
+
+    run(scenario())
+
+
+def test_a_stream_that_cannot_connect_is_unreachable() -> None:
+    async def scenario() -> None:
+        with pytest.raises(ProviderUnreachable):
+            await collect(adapter_with(refuse))
+
+    run(scenario())

@@ -87,13 +87,18 @@ DEFERRED_NOTIFY_OPTION = "-c ql3.outbox_notify=deferred"
 def make_pool(
     conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
 ) -> ConnectionPool:
-    """A connection pool whose connections carry ql3's timeouts and defer outbox NOTIFYs."""
+    """A connection pool whose connections carry ql3's timeouts and defer outbox NOTIFYs.
+
+    The connections are autocommit: every ql3 call is one statement calling one SQL
+    function, which is its own transaction, so a call is one round trip instead of
+    BEGIN, the call and COMMIT (D20)."""
     t = timeouts or Timeouts()
     return ConnectionPool(
         conninfo,
         min_size=min_size,
         max_size=max_size,
         kwargs={
+            "autocommit": True,
             "connect_timeout": t.connect_s,
             "options": f"{t.options()} {DEFERRED_NOTIFY_OPTION}",
         },

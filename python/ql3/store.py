@@ -40,7 +40,11 @@ def _null_row(row: Row | None) -> Row | None:
 
 
 class PgStore:
-    """The ql3 store on PostgreSQL. Pass a conninfo string or an open ConnectionPool."""
+    """The ql3 store on PostgreSQL. Pass a conninfo string or an open ConnectionPool.
+
+    Every method is one statement. The store's own pool is autocommit, so each call is
+    its own transaction and one round trip; a pool passed in is used as it is (a
+    non-autocommit one commits when the call returns the connection)."""
 
     def __init__(
         self,
@@ -134,18 +138,14 @@ class PgStore:
         NOTIFYs at COMMIT as well, which is correct, only slower under concurrency.
         """
         with translated(), self.pool.connection() as conn:
-            was_autocommit = conn.autocommit
-            conn.autocommit = True  # two one-statement transactions, no BEGIN/COMMIT trips
-            try:
-                event = _null_row(next(iter(self._rows_on(conn, sql, params)), None))
-                if event is not None:
-                    try:
-                        conn.execute("SELECT ql3.wake_relays()")
-                    except psycopg.Error as exc:
-                        _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
-            finally:
-                if not conn.closed:
-                    conn.autocommit = was_autocommit
+            event = _null_row(next(iter(self._rows_on(conn, sql, params)), None))
+            if not conn.autocommit:
+                conn.commit()  # a pool passed in: the wake must follow the COMMIT
+            if event is not None:
+                try:
+                    conn.execute("SELECT ql3.wake_relays()")
+                except psycopg.Error as exc:
+                    _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
         return event
 
     def active_revision(

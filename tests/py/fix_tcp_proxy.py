@@ -6,6 +6,10 @@ the next ``COMMIT`` (a simple Query message 'Q', as psycopg sends it, or a Parse
 server's reply, drops it, and closes the client side. The transaction is then committed
 while the client only sees its connection break: exactly the "COMMIT response lost" case
 (SPEC section 11). ``commit_lost`` is set once that happened.
+
+``arm_commit_loss(b"admit_invocation")`` does the same at the next statement whose text
+contains that marker: on an autocommit connection a statement is its own transaction and
+commits as it completes, so losing its reply is losing the answer to its COMMIT.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 
 
-def _is_commit(kind: int, payload: bytes) -> bool:
+def _commits(kind: int, payload: bytes, marker: bytes | None) -> bool:
+    """Whether this frontend message is the COMMIT (or, with a marker, the statement) whose
+    answer is to be lost."""
     if kind == ord("Q"):
         query = payload.rstrip(b"\x00")
     elif kind == ord("P"):
@@ -30,6 +36,8 @@ def _is_commit(kind: int, payload: bytes) -> bool:
         query = rest.partition(b"\x00")[0]
     else:
         return False
+    if marker is not None:
+        return marker in query
     return query.strip().rstrip(b";").strip().upper() in (b"COMMIT", b"END")
 
 
@@ -79,7 +87,7 @@ class _Link:
                         if len(buffer) < 1 + length:
                             break
                         message, buffer = buffer[: 1 + length], buffer[1 + length :]
-                        if _is_commit(message[0], message[5:]) and self.proxy._take_arm():
+                        if self.proxy._take_arm(message[0], message[5:]):
                             self.dropping.set()  # before the server can answer
                     self.server.sendall(message)
         except OSError:
@@ -113,6 +121,7 @@ class PgProxy:
         self.target = (host, port)
         self.commit_lost = threading.Event()
         self._armed = False
+        self._marker: bytes | None = None
         self._lock = threading.Lock()
         self._links: list[_Link] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -133,16 +142,20 @@ class PgProxy:
         )
         return make_conninfo(**params)  # type: ignore[arg-type]
 
-    def arm_commit_loss(self) -> None:
-        """Lose the answer to the next COMMIT that any proxied connection sends."""
+    def arm_commit_loss(self, marker: bytes | None = None) -> None:
+        """Lose the answer to the next COMMIT that any proxied connection sends, or with a
+        marker, to the next statement containing it (autocommit: its own COMMIT)."""
         with self._lock:
-            self._armed = True
+            self._armed, self._marker = True, marker
         self.commit_lost.clear()
 
-    def _take_arm(self) -> bool:
+    def _take_arm(self, kind: int, payload: bytes) -> bool:
+        """True once: for the first matching message after arming."""
         with self._lock:
-            armed, self._armed = self._armed, False
-            return armed
+            if not self._armed or not _commits(kind, payload, self._marker):
+                return False
+            self._armed = False
+            return True
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():

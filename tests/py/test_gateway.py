@@ -28,6 +28,7 @@ import pytest
 import redis.asyncio as aioredis
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
 
 from fix_provider import (  # noqa: F401  (provider, provider_b are fixtures)
     MODEL,
@@ -620,18 +621,27 @@ def test_failed_completion_write_withholds_the_result_and_recovery_settles_lost(
     assert completion["recovered"] is True
 
 
+@pytest.mark.parametrize("pool", ["store_autocommit", "transactional_pool"])
 def test_lost_commit_response_is_audit_unavailable_then_existing_then_recovered_as_lost(
     world: World,
     pg_proxy: PgProxy,  # noqa: F811
+    pool: str,
 ) -> None:
+    """The store's own pool is autocommit: the admission statement is its transaction, and
+    its reply is the answer to its COMMIT. A pool of the caller's sends a real COMMIT."""
     call = world.call()
-    proxied = PgStore(pg_proxy.dsn(world.runtime_dsn))
+    if pool == "store_autocommit":
+        proxied = PgStore(pg_proxy.dsn(world.runtime_dsn))
+        marker: bytes | None = b"admit_invocation"
+    else:
+        proxied = PgStore(ConnectionPool(pg_proxy.dsn(world.runtime_dsn), min_size=1, open=True))
+        marker = None
     failure: list[ModelAuditUnavailable] = []
 
     async def scenario() -> None:
         async with harness(world, store=proxied) as h:
             timed = due_in(call, 1.0)
-            pg_proxy.arm_commit_loss()
+            pg_proxy.arm_commit_loss(marker)
             with pytest.raises(ModelAuditUnavailable) as caught:
                 await h.gateway.invoke(timed)
             failure.append(caught.value)
@@ -644,6 +654,7 @@ def test_lost_commit_response_is_audit_unavailable_then_existing_then_recovered_
         run(scenario())
     finally:
         proxied.close()
+        proxied.pool.close()
     [error] = failure
     assert (error.phase, error.cause_code) == ("admission", "QL3_UNAVAILABLE")
     assert world.provider.calls == 0

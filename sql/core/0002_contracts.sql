@@ -613,7 +613,7 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA ql3 FROM PUBLIC;  -- noqa: CP02
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
 ql3.active_revisions TO ql3_runtime;
 GRANT EXECUTE ON FUNCTION ql3.active_revision(text, text, text), ql3.active_pointers(jsonb),
-ql3._check_identifier(text, text), ql3._check_family(text)
+ql3._check_identifier(text, text)
 TO ql3_runtime;
 
 GRANT SELECT ON ql3.contract_outbox TO ql3_relay;

@@ -5,7 +5,7 @@
 -- (runs, step_runs, ...) get their own privilege file; the schema-wide checks at the end
 -- (no PUBLIC execute, no SECURITY DEFINER, pinned search_path, ownership) cover them too.
 BEGIN;
-SELECT plan(186);
+SELECT plan(190);
 SET LOCAL client_min_messages = warning;
 
 CREATE SCHEMA IF NOT EXISTS tests;
@@ -135,7 +135,10 @@ FROM (VALUES
     (13, 'mark_outbox_delivered', '{bigint[]}', '{ql3_relay}'),
     (14, 'mark_outbox_failed', '{bigint[],text}', '{ql3_relay}'),
     (15, 'outbox_backlog', '{}', '{ql3_relay,ql3_operator,ql3_reader}'),
-    (16, 'wake_relays', '{}', '{ql3_operator}')
+    (16, 'wake_relays', '{}', '{ql3_operator}'),
+    -- A helper of put_revision and activate_revision only: no runtime-callable function
+    -- checks a family against ql3.contract_families, so the runtime has no EXECUTE on it.
+    (17, '_check_family', '{text}', '{ql3_operator}')
 ) AS f (ord, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader')

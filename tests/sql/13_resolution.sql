@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(69);
+SELECT plan(88);
 
 -- Fixture: run R1 with model steps S1..S9 admitted as inv-rN; then completions:
 -- r1, r2, r3, r8 and the vector invocation on S9 lost; r4 succeeded; r5 still running;
@@ -274,6 +274,54 @@ SELECT * FROM tests.rejects(
     'Q3V01', 'the record schema name in place of the command schema name is QL3_INVALID_ARGUMENT'
 );
 
+-- A completion_digest is 64 lowercase hex digits: a malformed one is QL3_INVALID_ARGUMENT
+-- before any lookup, even when it spells the right digest in upper case (which the
+-- digest comparison alone would report as a QL3_CONFLICT).
+CREATE TEMP TABLE r8 AS SELECT tests.resolution('inv-r8', 'retry') AS c;
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{completion_digest}', to_jsonb(upper(c ->> 'completion_digest'))))
+      FROM r8$$,
+    'Q3V01', 'the completion''s digest in upper case is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{completion_digest}', to_jsonb(left(c ->> 'completion_digest', 63))))
+      FROM r8$$,
+    'Q3V01', 'a 63-character completion_digest is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{completion_digest}', to_jsonb((c ->> 'completion_digest') || '0')))
+      FROM r8$$,
+    'Q3V01', 'a 65-character completion_digest is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{completion_digest}',
+        to_jsonb(left(c ->> 'completion_digest', 63) || 'g'))) FROM r8$$,
+    'Q3V01', 'a completion_digest with a non-hex digit is QL3_INVALID_ARGUMENT'
+);
+
+-- expected_step_run_version is an integer >= 1 written without a fraction: 0, -1 and 3.0
+-- (the step's own version, 3, with a fraction) are QL3_INVALID_ARGUMENT, not a drift.
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{expected_step_run_version}', '0')) FROM r8$$,
+    'Q3V01', 'expected_step_run_version 0 is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{expected_step_run_version}', '-1')) FROM r8$$,
+    'Q3V01', 'a negative expected_step_run_version is QL3_INVALID_ARGUMENT'
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(c, '{expected_step_run_version}', '3.0')) FROM r8$$,
+    'Q3V01', 'an expected_step_run_version written 3.0 is QL3_INVALID_ARGUMENT'
+);
+SELECT results_eq(
+    $$SELECT s.status, s.version, s.current_invocation_id, s.result_code,
+             (SELECT count(*) FROM ql3_ai.model_invocation_resolutions AS v WHERE v.invocation_id = 'inv-r8'),
+             (SELECT count(*) FROM ql3.run_events AS e WHERE e.event_id = ql3.event_id('inv-r8', 'resolution'))
+      FROM ql3.step_runs AS s WHERE s.step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+    $$VALUES ('lost', 3::bigint, 'inv-r8', 'outcome_unknown', 0::bigint, 0::bigint)$$,
+    'after every refused resolution inv-r8 is still lost at version 3, with no resolution and no resolution event'
+);
+
 -- Identities of the vector invocation across all three phases (shared/vectors/identity.json).
 
 SELECT is(
@@ -301,6 +349,31 @@ SELECT * FROM tests.rejects(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry'))$$,
     'Q3S01', 'resolving when the step is no longer the lost winner is QL3_ILLEGAL_TRANSITION'
 );
+
+-- An exact replay re-verifies the stored resolution against its digest: a resolution
+-- that a damaged database changed is QL3_CONFLICT, never "existing". Tampering needs the
+-- superuser and session_replication_role = replica (which skips the immutability triggers).
+-- inv-r1 replays its original command (cmd); inv-r3 was resolved at step version 3.
+SET LOCAL session_replication_role = replica;
+UPDATE ql3_ai.model_invocation_resolutions SET record = jsonb_set(record, '{user_id}', '"mallory"')
+WHERE invocation_id = 'inv-r1';
+UPDATE ql3_ai.model_invocation_resolutions SET resolution_digest = repeat('0', 64)
+WHERE invocation_id = 'inv-r3';
+SET LOCAL session_replication_role = origin;
+SET ROLE ql3_operator;
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(c) FROM cmd$$,
+    'Q3C01', 'a replay whose stored resolution record was changed is QL3_CONFLICT',
+    (SELECT 'QL3_CONFLICT: stored resolution record no longer matches its digest ' || resolution_digest
+     FROM ql3_ai.model_invocation_resolutions WHERE invocation_id = 'inv-r1')
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.resolve_invocation(jsonb_set(tests.resolution('inv-r3', 'cancel'), '{expected_step_run_version}',
+        '3'))$$,
+    'Q3C01', 'a replay whose stored resolution_digest was changed is QL3_CONFLICT',
+    'QL3_CONFLICT: stored resolution record no longer matches its digest ' || repeat('0', 64)
+);
+RESET ROLE;
 
 SELECT * FROM finish();
 ROLLBACK;

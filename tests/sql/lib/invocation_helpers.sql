@@ -100,14 +100,18 @@ AS $$
     );
 $$;
 
--- Two tests: the call fails with p_errcode, and it left no trace.
-CREATE FUNCTION tests.rejects(p_sql text, p_errcode text, p_description text) RETURNS SETOF text
+-- Two tests: the call fails with p_errcode (and, when given, exactly p_message), and it
+-- left no trace. The message tells apart errors that share a code, such as the QL3_CONFLICT
+-- of a tampered receipt and that of a conflicting command.
+CREATE FUNCTION tests.rejects(
+    p_sql text, p_errcode text, p_description text, p_message text DEFAULT NULL
+) RETURNS SETOF text
 LANGUAGE plpgsql
 AS $$
 DECLARE
     before text := tests.footprint();
 BEGIN
-    RETURN NEXT throws_ok(p_sql, p_errcode, NULL, p_description);
+    RETURN NEXT throws_ok(p_sql, p_errcode, p_message, p_description);
     RETURN NEXT is(tests.footprint(), before, p_description || ': nothing written');
 END;
 $$;

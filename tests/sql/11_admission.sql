@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(107);
+SELECT plan(111);
 
 -- Fixture: run R1 (proj/trace-1) with model steps S1..S5 and a tool step; run R2 (proj/trace-2)
 -- with one step; run R3 for the identity vectors.
@@ -426,6 +426,31 @@ SELECT * FROM tests.rejects(
 SELECT * FROM tests.rejects(
     $$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{expected_step_run_version}', '1.0')) FROM whole$$,
     'Q3V01', 'an expected_step_run_version written 1.0 is QL3_INVALID_ARGUMENT'
+);
+
+-- An exact replay re-verifies the stored start against its digest: a start that a damaged
+-- database changed is QL3_CONFLICT, never "existing". Tampering needs the superuser and
+-- session_replication_role = replica (which skips the immutability triggers).
+
+RESET ROLE;
+SET LOCAL session_replication_role = replica;
+UPDATE ql3_ai.model_invocation_starts SET record = jsonb_set(record, '{model}', '"other-model"')
+WHERE invocation_id = 'inv-a1';
+UPDATE ql3_ai.model_invocation_starts SET start_digest = repeat('0', 64)
+WHERE invocation_id = repeat('r', 128);
+SET LOCAL session_replication_role = origin;
+SET ROLE ql3_runtime;
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(c) FROM cmd$$,
+    'Q3C01', 'a replay whose stored start record was changed is QL3_CONFLICT',
+    (SELECT 'QL3_CONFLICT: stored start record no longer matches its digest ' || start_digest
+     FROM ql3_ai.model_invocation_starts WHERE invocation_id = 'inv-a1')
+);
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_invocation(tests.admission(
+        repeat('r', 128), 'aaaaaaaa-0000-0000-0000-000000000003', 'bbbbbbbb-0000-0000-0000-000000000032', 1))$$,
+    'Q3C01', 'a replay whose stored start_digest was changed is QL3_CONFLICT',
+    'QL3_CONFLICT: stored start record no longer matches its digest ' || repeat('0', 64)
 );
 
 RESET ROLE;

@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(82);
+SELECT plan(84);
 
 -- Fixture: run R1 with model steps S1..S9, each admitted as inv-cN (deadlines far away).
 SELECT ql3.create_run('proj', 'trace-1', 'aaaaaaaa-0000-0000-0000-000000000001');
@@ -329,12 +329,29 @@ SELECT throws_ok(
 SELECT throws_ok(
     $$SELECT ql3_ai.complete_invocation(tests.completion('inv-c2', 'failed', 'provider_error',
         tests.usage(10, NULL, NULL, NULL)))$$,
-    'Q3C01', NULL, 'a replay re-verifies the completion: a record that no longer matches its digest is QL3_CONFLICT'
+    'Q3C01',
+    (SELECT 'QL3_CONFLICT: stored completion record no longer matches its digest ' || completion_digest
+     FROM ql3_ai.model_invocation_completions WHERE invocation_id = 'inv-c2'),
+    'a replay re-verifies the completion: a record that no longer matches its digest is QL3_CONFLICT'
 );
 SELECT throws_ok(
     $$SELECT ql3_ai.complete_invocation(tests.completion('inv-c3', 'timed_out', 'MODEL_DEADLINE_EXCEEDED'))$$,
     'Q3C01', NULL, 'a replay re-verifies the ledger: a ledger row for a completion without usage is QL3_CONFLICT'
 );
+
+-- The stored digest is checked as well as the record, and under the runtime's own grants.
+SET LOCAL session_replication_role = replica;
+UPDATE ql3_ai.model_invocation_completions SET completion_digest = repeat('0', 64)
+WHERE invocation_id = 'inv-c4';
+SET LOCAL session_replication_role = origin;
+SET ROLE ql3_runtime;
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.complete_invocation(tests.completion('inv-c4', 'succeeded', 'ok',
+        tests.usage(NULL, NULL, NULL, NULL)))$$,
+    'Q3C01', 'a replay whose stored completion_digest was changed is QL3_CONFLICT',
+    'QL3_CONFLICT: stored completion record no longer matches its digest ' || repeat('0', 64)
+);
+RESET ROLE;
 
 SELECT * FROM finish();
 ROLLBACK;

@@ -7,6 +7,8 @@ at once and never lose an event (a duplicate is harmless: workers treat messages
 ordered by ``pointer_version``). A dedicated autocommit connection LISTENs on
 ``ql3_contract_outbox`` to wake the loop at once; a poll every ``poll_interval`` seconds
 covers notifications lost while disconnected, and every (re)connection starts with a sweep.
+The LISTEN connection lives apart from the work connections: when it alone is lost it is
+opened again, LISTENs and sweeps on its own, and no batch in flight notices.
 
 Throughput (a backlog drains at tens of thousands of events a second): the claim returns
 text that ``event_payload`` formats without ``json.dumps``; a batch goes to Redis as one
@@ -49,6 +51,7 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
+from psycopg.conninfo import conninfo_to_dict
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -60,6 +63,11 @@ NOTIFY_CHANNEL = "ql3_contract_outbox"
 DEFAULT_CHANNEL_PREFIX = "platform:contract:invalidate"
 HEARTBEAT_NAME = "__heartbeat__"
 DEFAULT_METRICS_PORT = 9464
+LISTEN_APPLICATION_NAME = "ql3-relay-listen"
+WORK_APPLICATION_NAME = "ql3-relay"
+# Work connections carry this in their startup packet (no SET round trip): a relay wedged
+# mid-batch must not hold its rows for ever.
+WORK_OPTIONS = "-c idle_in_transaction_session_timeout=60s"
 
 log = logging.getLogger("ql3.relay")
 
@@ -264,7 +272,8 @@ class RelayMetrics:
         )
         self.reconnects = Counter(
             "ql3_relay_reconnects",
-            "Reconnections after a lost connection, by server.",
+            "Reconnections after a lost connection, by server (for postgres, the work "
+            "connections and the LISTEN connection count apart).",
             ["target"],
             registry=registry,
         )
@@ -281,7 +290,7 @@ class RedisUnavailable(Exception):
 
 
 class _ListenerLost(Exception):
-    """The LISTEN connection died."""
+    """The LISTEN connection's notification stream ended."""
 
 
 class Relay:
@@ -306,9 +315,8 @@ class Relay:
         # claimed and published); run_once uses the first.
         self._work: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._work2: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
-        self._listen: psycopg.AsyncConnection[Any] | None = None
         self._listener: asyncio.Task[None] | None = None
-        self._listener_error: BaseException | None = None
+        self._listening = False
         self._redis: aioredis.Redis | None = None
         self._publish_script: AsyncScript | None = None
         self._task: asyncio.Task[None] | None = None
@@ -358,6 +366,11 @@ class Relay:
         await self._close_connections()
 
     async def _close_connections(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(BaseException):
+                await self._listener
+            self._listener = None
         await self._close_pg()
         if self._redis is not None:
             with contextlib.suppress(*REDIS_ERRORS):
@@ -377,6 +390,7 @@ class Relay:
         )
         await self._open_http()
         heartbeat = asyncio.create_task(self._heartbeat_loop(), name="ql3-relay-heartbeat")
+        self._listener = asyncio.create_task(self._listen_loop(), name="ql3-relay-listen")
         try:
             await self._main_loop()
         finally:
@@ -404,14 +418,15 @@ class Relay:
         redis_failures = 0
         while not self._stop.is_set():
             try:
-                if self._work is None or self._listener_error is not None:
-                    await self._close_pg()
+                if self._work is None:
                     await self._connect_pg()
                 self._wake.clear()
+                listened = self._listening  # this drain is the sweep after a LISTEN
                 await self._drain()
                 pg_failures = redis_failures = 0
                 await self._refresh_backlog()
-                self._ready.set()
+                if listened:
+                    self._ready.set()
             except psycopg.Error as exc:
                 reraise_if_cancelled()
                 pg_failures += 1
@@ -478,8 +493,6 @@ class Relay:
         turn = 0
         try:
             while not self._stop.is_set():
-                if self._listener_error is not None:
-                    raise _as_pg_error(self._listener_error)
                 conn = conns[turn]
                 assert conn is not None
                 turn ^= 1
@@ -508,42 +521,36 @@ class Relay:
 
     # -- connections -------------------------------------------------------------------
 
-    async def _connect_pg(self) -> None:
-        work = await psycopg.AsyncConnection.connect(
-            self.config.dsn,
+    async def _connect(
+        self, conninfo: str, application_name: str, options: str = ""
+    ) -> psycopg.AsyncConnection[tuple[Any, ...]]:
+        """One autocommit relay connection; ``options`` go after the conninfo's own."""
+        extra: dict[str, Any] = {}
+        if options:
+            # A connection option replaces the conninfo's options (or PGOPTIONS): keep them.
+            given = conninfo_to_dict(conninfo).get("options") or os.environ.get("PGOPTIONS")
+            extra["options"] = f"{given} {options}" if given else options
+        return await psycopg.AsyncConnection.connect(
+            conninfo,
             autocommit=True,
             connect_timeout=5,
-            application_name="ql3-relay",
+            application_name=application_name,
+            **extra,
         )
-        work2: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+
+    async def _connect_pg(self) -> None:
+        """Open the two work connections (the LISTEN connection is ``_listen_loop``'s)."""
+        opened: list[psycopg.AsyncConnection[tuple[Any, ...]]] = []
         try:
-            # A relay wedged mid-batch must not hold its rows for ever.
-            await work.execute("SET idle_in_transaction_session_timeout = '60s'")
-            work2 = await psycopg.AsyncConnection.connect(
-                self.config.dsn, autocommit=True, connect_timeout=5, application_name="ql3-relay"
-            )
-            await work2.execute("SET idle_in_transaction_session_timeout = '60s'")
-            listen = await psycopg.AsyncConnection.connect(
-                self.config.listen_dsn or self.config.dsn,
-                autocommit=True,
-                connect_timeout=5,
-                application_name="ql3-relay-listen",
-            )
+            for _ in range(2):
+                opened.append(
+                    await self._connect(self.config.dsn, WORK_APPLICATION_NAME, WORK_OPTIONS)
+                )
         except BaseException:
-            await work.close()
-            if work2 is not None:
-                await work2.close()
+            for conn in opened:
+                await conn.close()
             raise
-        try:
-            await listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        except BaseException:
-            await work.close()
-            await work2.close()
-            await listen.close()
-            raise
-        self._work, self._work2, self._listen = work, work2, listen
-        self._listener_error = None
-        self._listener = asyncio.create_task(self._listen_loop(listen), name="ql3-relay-listen")
+        self._work, self._work2 = opened
         if self._pg_connected_once:
             self.metrics.reconnects.labels(target="postgres").inc()
             _log(logging.INFO, "postgres_reconnected", relay_id=self.relay_id)
@@ -551,30 +558,56 @@ class Relay:
         self._pg_ok = True
         self._wake.set()  # sweep: anything committed while we were away
 
-    async def _listen_loop(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        try:
-            async for _ in conn.notifies():
+    async def _listen_loop(self) -> None:
+        """Until stop: LISTEN on a connection of its own, and wake the drain on every NOTIFY.
+
+        A lost LISTEN connection is opened again here, with backoff, while the work
+        connections go on (the poll delivers meanwhile); each LISTEN wakes a sweep for what
+        was committed while nobody listened. It counts as a postgres reconnect, not as a
+        failed delivery cycle.
+        """
+        failures = 0
+        listened_before = False
+        while not self._stop.is_set():
+            conn: psycopg.AsyncConnection[Any] | None = None
+            try:
+                conn = await self._connect(
+                    self.config.listen_dsn or self.config.dsn, LISTEN_APPLICATION_NAME
+                )
+                await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                self._listening = True
+                if listened_before:
+                    self.metrics.reconnects.labels(target="postgres").inc()
+                    _log(logging.INFO, "listen_reconnected", relay_id=self.relay_id)
+                listened_before = True
+                failures = 0
                 self._wake.set()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._listener_error = exc
-            self._wake.set()
-            return
-        self._listener_error = _ListenerLost("notification stream ended")
-        self._wake.set()
+                async for _ in conn.notifies():
+                    self._wake.set()
+                raise _ListenerLost("notification stream ended")
+            except Exception as exc:
+                reraise_if_cancelled()
+                failures += 1
+                _log(
+                    logging.WARNING,
+                    "listen_lost" if self._listening else "listen_failed",
+                    relay_id=self.relay_id,
+                    error=describe_error(exc),
+                    attempt=failures,
+                )
+            finally:
+                self._listening = False
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+            await self._sleep(self._backoff(failures))
 
     async def _close_pg(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(BaseException):
-                await self._listener
-            self._listener = None
-        for conn in (self._work, self._work2, self._listen):
+        for conn in (self._work, self._work2):
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close()
-        self._work = self._work2 = self._listen = None
+        self._work = self._work2 = None
 
     def _redis_client(self) -> aioredis.Redis:
         if self._redis is None:
@@ -839,12 +872,6 @@ async def _rollback_quietly(conn: psycopg.AsyncConnection[Any]) -> None:
     """End a failed batch's transaction if the connection still can (it may be gone)."""
     with contextlib.suppress(Exception):
         await conn.execute("ROLLBACK")
-
-
-def _as_pg_error(exc: BaseException) -> psycopg.Error:
-    if isinstance(exc, psycopg.Error):
-        return exc
-    return psycopg.OperationalError(f"LISTEN connection lost: {describe_error(exc)}")
 
 
 # -- command line ----------------------------------------------------------------------

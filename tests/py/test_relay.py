@@ -162,6 +162,40 @@ async def until_backlog_empty(dsn: str, timeout: float) -> None:
         await asyncio.sleep(0.02)
 
 
+async def backend_pids(conn: psycopg.AsyncConnection[Any], application_name: str) -> set[int]:
+    """The backends of this test's database opened under an application_name."""
+    cur = await conn.execute(
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE application_name = %s AND datname = current_database()",
+        (application_name,),
+    )
+    return {int(row[0]) for row in await cur.fetchall()}
+
+
+async def terminate_listen_backend(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Kill the relay's LISTEN backend (and only it); its pid."""
+    (pid,) = await backend_pids(conn, "ql3-relay-listen")
+    cur = await conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    row = await cur.fetchone()
+    assert row is not None and row[0] is True
+    return pid
+
+
+async def until_new_listen_backend(
+    conn: psycopg.AsyncConnection[Any], old: int, timeout: float
+) -> int:
+    """Wait for a LISTEN backend other than old (the relay's re-LISTEN); its pid."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = await backend_pids(conn, "ql3-relay-listen")
+        if pids and old not in pids:
+            (pid,) = pids
+            return pid
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no new LISTEN backend after {timeout}s (now {pids})")
+        await asyncio.sleep(0.02)
+
+
 class Subscriber:
     """Collects every event and heartbeat published under a prefix."""
 
@@ -629,6 +663,81 @@ def test_postgres_restart_under_the_relay(prefix: str, redis_url: str, scratch: 
         run(scenario())
     finally:
         pg.stop()
+
+
+def test_losing_only_the_listen_connection_relistens_and_keeps_the_work_connections(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+            # No poll to speak of: only a NOTIFY or the sweep after re-LISTEN delivers.
+            running(Relay(config(db, redis_url, prefix, poll_interval=60.0))) as relay,
+        ):
+            work = await backend_pids(conn, "ql3-relay")
+            assert len(work) == 2
+            old = await terminate_listen_backend(conn)
+            first = await activate(conn, "p", "c", {"n": 0})
+            await until(lambda: sub.seqs() == {first["seq"]}, 5, "the event after the kill")
+            await until_new_listen_backend(conn, old, 5)
+            for i in range(1, 4):
+                started = time.monotonic()
+                event = await activate(conn, "p", "c", {"n": i})
+                await until(lambda e=event: e["seq"] in sub.seqs(), 5, "a NOTIFY delivery")  # type: ignore[misc]
+                assert time.monotonic() - started < 2.0
+            assert len(sub.events) == len(sub.seqs()) == 4
+            assert await backend_pids(conn, "ql3-relay") == work
+            assert sample(relay, "ql3_relay_reconnects_total", target="postgres") == 1
+            assert sample(relay, "ql3_relay_failures_total", target="postgres") == 0
+            assert relay.health()["postgres"] is True
+
+    run(scenario())
+
+
+def test_losing_the_listen_connection_mid_batch_neither_aborts_nor_redoes_the_batch(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            written = [(await activate(conn, "p", f"c{i}", {"i": i}))["seq"] for i in range(20)]
+            relay = Relay(config(db, redis_url, prefix, batch=20, pause_mid_batch=2.0))
+            async with Subscriber(redis_url, prefix) as sub:
+                await relay.start()
+                try:
+                    await until(lambda: len(sub.events) >= 10, 10, "half a batch published")
+                    work = await backend_pids(conn, "ql3-relay")
+                    old = await terminate_listen_backend(conn)
+                    await until(lambda: sub.seqs() == set(written), 10, "the rest of the batch")
+                    await until_new_listen_backend(conn, old, 5)
+                    await until_backlog_empty(db, 5)
+                    assert [e["seq"] for e in sub.events] == written  # once each, in order
+                    assert await backend_pids(conn, "ql3-relay") == work
+                    assert sample(relay, "ql3_relay_failures_total", target="postgres") == 0
+                    assert sample(relay, "ql3_relay_reconnects_total", target="postgres") == 1
+                finally:
+                    await relay.stop()
+
+    run(scenario())
+
+
+def test_work_connections_keep_the_dsn_options_and_set_the_idle_timeout_at_startup(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    async def scenario() -> None:
+        relay = Relay(config(as_role(db, "ql3_relay"), redis_url, prefix))
+        try:
+            await relay._connect_pg()
+            for conn in (relay._work, relay._work2):
+                assert conn is not None
+                cur = await conn.execute(
+                    "SELECT current_user, current_setting('idle_in_transaction_session_timeout')"
+                )
+                assert await cur.fetchone() == ("ql3_relay", "1min")
+        finally:
+            await relay.stop()
+
+    run(scenario())
 
 
 # -- configuration, command line, logs -----------------------------------------------------

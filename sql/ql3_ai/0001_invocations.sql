@@ -1260,8 +1260,10 @@ BEGIN
     -- An unfinished start is exactly the current invocation of a running step, so the
     -- scan walks running steps (few) rather than the start history (unbounded). Steps
     -- another transaction holds are skipped: their owner is completing them right now.
+    -- The scan returns the start row itself, so each start is read once, and it locks
+    -- the step row only (OF s): never a receipt.
     FOR expired IN
-        SELECT s.step_run_id, s.version, s.current_invocation_id
+        SELECT st AS start, s.version AS step_version
         FROM ql3.step_runs AS s
         INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
         WHERE s.status = 'running'
@@ -1273,8 +1275,7 @@ BEGIN
         LIMIT p_limit
         FOR UPDATE OF s SKIP LOCKED
     LOOP
-        SELECT * INTO start FROM ql3_ai.model_invocation_starts AS st
-        WHERE st.invocation_id = expired.current_invocation_id;
+        start := expired.start;
         command := jsonb_build_object(
             'schema', 'ql3/model-invocation-completion-command@v1',
             'invocation_id', start.invocation_id,
@@ -1286,7 +1287,7 @@ BEGIN
             'usage', NULL
         );
         result := ql3_ai._write_completion(
-            start, expired.version, command,
+            start, expired.step_version, command,
             ql3_ai._checked_digest('completion command', 'ql3/model-invocation-completion-command@v1', command),
             true);
         recovered := recovered || jsonb_build_array(jsonb_build_object(

@@ -2,14 +2,28 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(37);
+SELECT plan(40);
 
 -- Fixture: run R1 with model steps S1..S7 admitted as inv-e1..inv-e7. Deadlines, by the
 -- database clock now(): e1 2000, e5 2001, e6 2002, e7 2003 (long expired); e4 an hour ago;
--- e2 far in the future; e3 long expired but completed.
+-- e2 far in the future; e3 long expired but completed. Run R0 holds inv-o1 and inv-o2,
+-- expired in 1990, before any other, for the read count below.
 SELECT ql3.create_run('proj', 'trace-1', 'aaaaaaaa-0000-0000-0000-000000000001');
 SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000001', 'model', ('bbbbbbbb-0000-0000-0000-00000000000' || g)::uuid)
 FROM generate_series(1, 7) AS g;
+SELECT ql3.create_run('proj', 'trace-0', 'aaaaaaaa-0000-0000-0000-000000000000');
+SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000000', 'model', ('dddddddd-0000-0000-0000-00000000000' || g)::uuid)
+FROM generate_series(1, 2) AS g;
+
+-- Scans of model_invocation_starts in this transaction, by any plan: sequential scans of
+-- the table plus scans of each of its indexes.
+CREATE FUNCTION tests.start_scans() RETURNS bigint
+LANGUAGE sql STABLE
+AS $$
+    SELECT pg_stat_get_xact_numscans('ql3_ai.model_invocation_starts'::regclass)
+        + (SELECT sum(pg_stat_get_xact_numscans(i.indexrelid))::bigint FROM pg_index AS i
+           WHERE i.indrelid = 'ql3_ai.model_invocation_starts'::regclass);
+$$;
 
 SET ROLE ql3_runtime;
 SELECT ql3_ai.admit_invocation(tests.admission(
@@ -24,9 +38,47 @@ SELECT ql3_ai.admit_invocation(tests.admission(
 ))
 FROM generate_series(1, 7) AS g;
 SELECT ql3_ai.complete_invocation(tests.completion('inv-e3', 'succeeded', 'ok'));
+SELECT ql3_ai.admit_invocation(tests.admission(
+    'inv-o' || g, 'aaaaaaaa-0000-0000-0000-000000000000', ('dddddddd-0000-0000-0000-00000000000' || g)::uuid, 1,
+    p_deadline_at => '1990-01-01T00:00:00.000000Z', p_trace_id => 'trace-0'
+))
+FROM generate_series(1, 2) AS g;
 
 -- Recovery is an operator's act, bounded by its limit, oldest deadline first.
 SET ROLE ql3_operator;
+
+-- Recovery reads each start once, in the scan that also locks its step: the only other
+-- scan of the starts per recovered start is the foreign-key check of its completion. A
+-- scan over the same running steps that recovers nothing is the baseline (the first two
+-- scans of this session, so both are planned alike: the grace leaves the estimates as
+-- they are).
+CREATE TEMP TABLE scans AS
+SELECT
+    0 AS k,
+    tests.start_scans() AS n;
+SELECT is(
+    ql3_ai.recover_expired(2, interval '1000 years'), '{"count": 0, "recovered": []}'::jsonb,
+    'a scan whose grace covers every deadline recovers nothing'
+);
+INSERT INTO scans (k, n)
+SELECT
+    1 AS k,
+    tests.start_scans() AS n;
+SELECT is(
+    (SELECT jsonb_agg(x ->> 'invocation_id') FROM jsonb_array_elements(ql3_ai.recover_expired(2, interval '0') -> 'recovered') AS x),
+    '["inv-o1", "inv-o2"]'::jsonb,
+    'the same scan without grace recovers the two oldest starts'
+);
+INSERT INTO scans (k, n)
+SELECT
+    2 AS k,
+    tests.start_scans() AS n;
+SELECT is(
+    (SELECT (max(n) FILTER (WHERE k = 2) - max(n) FILTER (WHERE k = 1))
+            - (max(n) FILTER (WHERE k = 1) - max(n) FILTER (WHERE k = 0)) FROM scans),
+    2::bigint,
+    'recovery scans the starts once per recovered start beyond its own scan (the completion''s foreign-key check)'
+);
 
 CREATE TEMP TABLE rec1 AS SELECT ql3_ai.recover_expired(1, interval '0') AS r;
 GRANT SELECT ON rec1 TO PUBLIC;  -- noqa: CP02
@@ -98,7 +150,8 @@ SELECT is(
     'starts before their deadline and completed starts are never recovered'
 );
 SELECT results_eq(
-    $$SELECT step_run_id::text, status FROM ql3.step_runs ORDER BY step_run_id$$,
+    $$SELECT step_run_id::text, status FROM ql3.step_runs
+      WHERE run_id = 'aaaaaaaa-0000-0000-0000-000000000001' ORDER BY step_run_id$$,
     $$VALUES ('bbbbbbbb-0000-0000-0000-000000000001', 'lost'), ('bbbbbbbb-0000-0000-0000-000000000002', 'running'),
              ('bbbbbbbb-0000-0000-0000-000000000003', 'succeeded'), ('bbbbbbbb-0000-0000-0000-000000000004', 'lost'),
              ('bbbbbbbb-0000-0000-0000-000000000005', 'lost'), ('bbbbbbbb-0000-0000-0000-000000000006', 'lost'),

@@ -25,7 +25,10 @@ Why it is built this way:
   back to normal after re-verifying every entry.
 - **Fail closed.** No active revision (never activated, or revoked) raises ``NotFound``;
   a body whose hash does not match ``body_hash`` is refused; an entry that needs
-  verification while the database is unreachable raises ``Unavailable``.
+  verification while the database is unreachable raises ``Unavailable``. So does ``start``
+  when it cannot read the family budgets (after waiting ``db_timeout`` for a
+  connection): a cache that guessed them could serve entries staler than their family
+  allows, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ FROM ql3.active_pointers(%s::jsonb) AS p
 LEFT JOIN LATERAL ql3.active_revision(p.project_id, p.contract_family, p.contract_id) AS r
     ON true
 """
+
+_FAMILIES_SQL = "SELECT contract_family, max_staleness_seconds FROM ql3.contract_families"
 
 _VERIFY_SQL = """
 SELECT project_id, contract_family, contract_id, revision_id, pointer_version
@@ -250,17 +255,25 @@ class RevisionCache:
         await self.close()
 
     async def start(self) -> None:
-        """Subscribe (waiting for Redis to confirm), then read families, then serve."""
+        """Subscribe (waiting for Redis to confirm), then read families, then serve.
+
+        Raises ``Unavailable`` (or another ``Ql3Error``) when the family budgets cannot be
+        read, after closing what it opened.
+        """
         if self._tasks:
             return
-        if self._owns_pool:
-            await self._pool.open()
-        self._tasks.append(asyncio.create_task(self._subscription_loop(), name="ql3-cache-sub"))
         try:
-            await asyncio.wait_for(self._subscribed_event.wait(), self._subscribe_timeout)
-        except TimeoutError:
-            _log(logging.WARNING, "cache_subscribe_timeout", seconds=self._subscribe_timeout)
-        await self._load_families()
+            if self._owns_pool:
+                await self._pool.open()
+            self._tasks.append(asyncio.create_task(self._subscription_loop(), name="ql3-cache-sub"))
+            try:
+                await asyncio.wait_for(self._subscribed_event.wait(), self._subscribe_timeout)
+            except TimeoutError:
+                _log(logging.WARNING, "cache_subscribe_timeout", seconds=self._subscribe_timeout)
+            await self._load_families()
+        except BaseException:
+            await self.close()
+            raise
         self._tasks.append(asyncio.create_task(self._reload_loop(), name="ql3-cache-reload"))
         self._tasks.append(asyncio.create_task(self._verify_loop(), name="ql3-cache-verify"))
         self._tasks.append(asyncio.create_task(self._watchdog_loop(), name="ql3-cache-watch"))
@@ -281,6 +294,7 @@ class RevisionCache:
             self._redis = None
         if self._owns_pool:
             await self._pool.close()
+        self._subscribed = False
         self._mode = "closed"
 
     # -- public API --------------------------------------------------------------------
@@ -446,17 +460,16 @@ class RevisionCache:
         raise AssertionError("unreachable")
 
     async def _load_families(self) -> None:
+        """Read every family's max staleness; failures raise (``start`` fails closed)."""
         try:
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(
-                    "SELECT contract_family, max_staleness_seconds FROM ql3.contract_families"
-                )
-                rows = await cur.fetchall()
-        except (psycopg.Error, TimeoutError) as exc:
-            reraise_if_cancelled()
-            _log(logging.WARNING, "cache_families_unavailable", error=str(exc))
-            return
-        self._family_staleness = {str(r[0]): float(r[1]) for r in rows}
+            rows = await self._fetch(_FAMILIES_SQL, ())
+        except errors.Unavailable as exc:
+            raise errors.Unavailable(
+                f"QL3_UNAVAILABLE: cannot read the contract family budgets: {exc}"
+            ) from exc
+        self._family_staleness = {
+            str(r["contract_family"]): float(r["max_staleness_seconds"]) for r in rows
+        }
 
     async def _verify(self, keys: Sequence[Key]) -> list[Key]:
         """Check entries against their active pointers; the keys that moved are dropped."""

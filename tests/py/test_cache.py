@@ -644,3 +644,30 @@ def test_an_entry_that_needs_verification_fails_closed_while_postgres_is_down(
     finally:
         pg.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_start_fails_closed_and_leaves_nothing_running_when_postgres_is_unreachable(
+    redis_url: str, prefix: str
+) -> None:
+    # Nothing listens on this port: the family budgets cannot be read.
+    dsn = f"postgresql://postgres@127.0.0.1:{devservers.free_port()}/ql3?connect_timeout=1"
+    channels = [f"{prefix}:proj", f"{prefix}:__heartbeat__"]
+
+    async def scenario() -> None:
+        before = asyncio.all_tasks()
+        cache = RevisionCache(dsn, redis_url, channel_prefix=prefix, projects=["proj"],
+                              db_timeout=1.0)  # fmt: skip
+        with pytest.raises(errors.Unavailable) as failure:
+            async with cache:
+                raise AssertionError("the cache started without its database")
+        assert str(failure.value).startswith("QL3_UNAVAILABLE: cannot read the contract family")
+        health = cache.health()
+        assert (health.mode, health.subscribed) == ("closed", False)
+        assert asyncio.all_tasks() == before  # no subscription, pool or background task
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            assert [n for _, n in await client.pubsub_numsub(*channels)] == [0, 0]
+        finally:
+            await client.aclose()
+
+    run(scenario())

@@ -8,7 +8,7 @@ BEGIN;
 SELECT plan(190);
 SET LOCAL client_min_messages = warning;
 
-CREATE SCHEMA IF NOT EXISTS tests;
+\ir lib/privilege_helpers.sql
 
 -- Roles and schema ---------------------------------------------------------------------------
 
@@ -66,20 +66,6 @@ ORDER BY e.table_name, e.role;
 
 -- No column-level grant hides behind the table-level ones, except the relay's UPDATE of
 -- the outbox delivery columns (checked column by column below).
--- The privileges has_any_column_privilege can see: the table-level ones that apply to
--- columns, plus any column-level extras.
-CREATE FUNCTION tests.column_privs(p_table_privs name [], p_extra name []) RETURNS name []
-LANGUAGE sql IMMUTABLE AS $$
-    SELECT coalesce(array_agg(p.priv ORDER BY p.priv), '{}')
-    FROM (
-        SELECT unnest(p_table_privs) AS priv
-        INTERSECT
-        SELECT unnest('{INSERT,REFERENCES,SELECT,UPDATE}'::name [])
-        UNION
-        SELECT unnest(p_extra)
-    ) AS p;
-$$;
-
 SELECT any_column_privs_are(
     'ql3', e.table_name, e.role, tests.column_privs(e.privs, c.extra),
     format('%s has exactly %s on the columns of ql3.%s', e.role, tests.column_privs(e.privs, c.extra), e.table_name)

@@ -1,15 +1,25 @@
 -- Roles and grants of the runs and ql3_ai objects (SPEC section 5): exact privileges of every
 -- role on every new table and function, what each role can and cannot do, immutability.
+-- Table-driven like 06_privileges.sql: one row per object with what each role holds.
 BEGIN;
 SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refused anyway
 \ir lib/invocation_helpers.sql
+\ir lib/privilege_helpers.sql
 
-SELECT plan(141);
+SELECT plan(352);
 
-SELECT schema_privs_are('ql3_ai', 'ql3_runtime', ARRAY['USAGE'], 'ql3_runtime may use schema ql3_ai');
-SELECT schema_privs_are('ql3_ai', 'ql3_operator', ARRAY['USAGE'], 'ql3_operator may use schema ql3_ai');
-SELECT schema_privs_are('ql3_ai', 'ql3_reader', ARRAY['USAGE'], 'ql3_reader may use schema ql3_ai');
-SELECT schema_privs_are('ql3_ai', 'ql3_relay', ARRAY['USAGE'], 'ql3_relay may use schema ql3_ai (and nothing in it)');
+-- Schema and catalogue -----------------------------------------------------------------------
+
+SELECT schema_owner_is('ql3_ai', 'ql3_owner', 'ql3_owner owns schema ql3_ai');
+SELECT schema_privs_are('ql3_ai', g.role, g.privs, format('%s has %s on schema ql3_ai', g.role, g.privs))
+FROM (VALUES
+    (1, 'ql3_runtime', '{USAGE}'::name []),
+    (2, 'ql3_relay', '{USAGE}'),  -- and nothing in it (below)
+    (3, 'ql3_operator', '{USAGE}'),
+    (4, 'ql3_reader', '{USAGE}'),
+    (5, 'public', '{}')
+) AS g (ord, role, privs)
+ORDER BY g.ord;
 SELECT tables_are(
     'ql3_ai',
     ARRAY['feature_history', 'model_invocation_starts', 'model_invocation_completions',
@@ -76,197 +86,127 @@ SELECT has_index(
     ARRAY['run_id', 'step_run_id', 'completed_at', 'invocation_id'], 'completions have a plain history index'
 );
 
--- Exact table privileges: receipts are SELECT and INSERT at most, for every role.
-SELECT table_privs_are('ql3', 'runs', 'ql3_runtime', ARRAY['INSERT', 'SELECT', 'UPDATE'],
-    'ql3_runtime has INSERT/SELECT/UPDATE on ql3.runs');
-SELECT table_privs_are('ql3', 'runs', 'ql3_operator', ARRAY['SELECT', 'UPDATE'],
-    'ql3_operator has SELECT/UPDATE on ql3.runs');
-SELECT table_privs_are('ql3', 'runs', 'ql3_reader', ARRAY['SELECT'], 'ql3_reader has SELECT on ql3.runs');
-SELECT table_privs_are('ql3', 'runs', 'ql3_relay', ARRAY[]::text [], 'ql3_relay has no privileges on ql3.runs');
-SELECT table_privs_are('ql3', 'step_runs', 'ql3_runtime', ARRAY['INSERT', 'SELECT', 'UPDATE'],
-    'ql3_runtime has INSERT/SELECT/UPDATE on ql3.step_runs');
-SELECT table_privs_are('ql3', 'step_runs', 'ql3_operator', ARRAY['SELECT', 'UPDATE'],
-    'ql3_operator has SELECT/UPDATE on ql3.step_runs');
-SELECT table_privs_are('ql3', 'step_runs', 'ql3_reader', ARRAY['SELECT'], 'ql3_reader has SELECT on ql3.step_runs');
-SELECT table_privs_are('ql3', 'step_runs', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3.step_runs');
-SELECT table_privs_are('ql3', 'run_events', 'ql3_runtime', ARRAY['INSERT', 'SELECT'],
-    'ql3_runtime has INSERT/SELECT on ql3.run_events');
-SELECT table_privs_are('ql3', 'run_events', 'ql3_operator', ARRAY['INSERT', 'SELECT'],
-    'ql3_operator has INSERT/SELECT on ql3.run_events');
-SELECT table_privs_are('ql3', 'run_events', 'ql3_reader', ARRAY['SELECT'], 'ql3_reader has SELECT on ql3.run_events');
-SELECT table_privs_are('ql3', 'run_events', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3.run_events');
-SELECT table_privs_are('ql3', 'step_run_mutations', 'ql3_runtime', ARRAY['INSERT', 'SELECT'],
-    'ql3_runtime has INSERT/SELECT on ql3.step_run_mutations');
-SELECT table_privs_are('ql3', 'step_run_mutations', 'ql3_operator', ARRAY['INSERT', 'SELECT'],
-    'ql3_operator has INSERT/SELECT on ql3.step_run_mutations');
-SELECT table_privs_are('ql3', 'step_run_mutations', 'ql3_reader', ARRAY['SELECT'],
-    'ql3_reader has SELECT on ql3.step_run_mutations');
-SELECT table_privs_are('ql3', 'step_run_mutations', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3.step_run_mutations');
-SELECT table_privs_are('ql3_ai', 'model_invocation_starts', 'ql3_runtime', ARRAY['INSERT', 'SELECT'],
-    'ql3_runtime has INSERT/SELECT on ql3_ai.model_invocation_starts');
-SELECT table_privs_are('ql3_ai', 'model_invocation_starts', 'ql3_operator', ARRAY['SELECT'],
-    'ql3_operator has SELECT on ql3_ai.model_invocation_starts');
-SELECT table_privs_are('ql3_ai', 'model_invocation_starts', 'ql3_reader', ARRAY['SELECT'],
-    'ql3_reader has SELECT on ql3_ai.model_invocation_starts');
-SELECT table_privs_are('ql3_ai', 'model_invocation_starts', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3_ai.model_invocation_starts');
-SELECT table_privs_are('ql3_ai', 'model_invocation_completions', 'ql3_runtime', ARRAY['INSERT', 'SELECT'],
-    'ql3_runtime has INSERT/SELECT on ql3_ai.model_invocation_completions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_completions', 'ql3_operator', ARRAY['INSERT', 'SELECT'],
-    'ql3_operator has INSERT/SELECT on ql3_ai.model_invocation_completions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_completions', 'ql3_reader', ARRAY['SELECT'],
-    'ql3_reader has SELECT on ql3_ai.model_invocation_completions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_completions', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3_ai.model_invocation_completions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_resolutions', 'ql3_runtime', ARRAY['SELECT'],
-    'ql3_runtime has SELECT on ql3_ai.model_invocation_resolutions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_resolutions', 'ql3_operator', ARRAY['INSERT', 'SELECT'],
-    'ql3_operator has INSERT/SELECT on ql3_ai.model_invocation_resolutions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_resolutions', 'ql3_reader', ARRAY['SELECT'],
-    'ql3_reader has SELECT on ql3_ai.model_invocation_resolutions');
-SELECT table_privs_are('ql3_ai', 'model_invocation_resolutions', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3_ai.model_invocation_resolutions');
-SELECT table_privs_are('ql3_ai', 'usage_ledger', 'ql3_runtime', ARRAY['INSERT', 'SELECT'],
-    'ql3_runtime has INSERT/SELECT on ql3_ai.usage_ledger');
-SELECT table_privs_are('ql3_ai', 'usage_ledger', 'ql3_operator', ARRAY['SELECT'],
-    'ql3_operator has SELECT on ql3_ai.usage_ledger');
-SELECT table_privs_are('ql3_ai', 'usage_ledger', 'ql3_reader', ARRAY['SELECT'],
-    'ql3_reader has SELECT on ql3_ai.usage_ledger');
-SELECT table_privs_are('ql3_ai', 'usage_ledger', 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay has no privileges on ql3_ai.usage_ledger');
+-- Tables: one row per table, one column per role --------------------------------------------
+-- Receipts are SELECT and INSERT at most, for every role; no role but the owner can change
+-- or lock them.
 
--- Exact function privileges, helpers included (SECURITY INVOKER: callers need them).
-SELECT function_privs_are('ql3', 'create_run', ARRAY['text', 'text', 'uuid'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3.create_run');
-SELECT function_privs_are('ql3', 'create_run', ARRAY['text', 'text', 'uuid'], 'ql3_operator', ARRAY[]::text [],
-    'ql3_operator may not execute ql3.create_run');
-SELECT function_privs_are('ql3', 'create_run', ARRAY['text', 'text', 'uuid'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3.create_run');
-SELECT function_privs_are('ql3', 'create_run', ARRAY['text', 'text', 'uuid'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3.create_run');
-SELECT function_privs_are('ql3', 'add_step_run', ARRAY['uuid', 'text', 'uuid'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3.add_step_run');
-SELECT function_privs_are('ql3', 'add_step_run', ARRAY['uuid', 'text', 'uuid'], 'ql3_operator', ARRAY[]::text [],
-    'ql3_operator may not execute ql3.add_step_run');
-SELECT function_privs_are('ql3', 'add_step_run', ARRAY['uuid', 'text', 'uuid'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3.add_step_run');
-SELECT function_privs_are('ql3', 'add_step_run', ARRAY['uuid', 'text', 'uuid'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3.add_step_run');
-SELECT function_privs_are('ql3_ai', 'admit_invocation', ARRAY['jsonb'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai.admit_invocation');
-SELECT function_privs_are('ql3_ai', 'admit_invocation', ARRAY['jsonb'], 'ql3_operator', ARRAY[]::text [],
-    'ql3_operator may not execute ql3_ai.admit_invocation');
-SELECT function_privs_are('ql3_ai', 'admit_invocation', ARRAY['jsonb'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai.admit_invocation');
-SELECT function_privs_are('ql3_ai', 'admit_invocation', ARRAY['jsonb'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai.admit_invocation');
-SELECT function_privs_are('ql3_ai', 'complete_invocation', ARRAY['jsonb'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai.complete_invocation');
-SELECT function_privs_are('ql3_ai', 'complete_invocation', ARRAY['jsonb'], 'ql3_operator', ARRAY[]::text [],
-    'ql3_operator may not execute ql3_ai.complete_invocation');
-SELECT function_privs_are('ql3_ai', 'complete_invocation', ARRAY['jsonb'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai.complete_invocation');
-SELECT function_privs_are('ql3_ai', 'complete_invocation', ARRAY['jsonb'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai.complete_invocation');
-SELECT function_privs_are('ql3_ai', 'resolve_invocation', ARRAY['jsonb'], 'ql3_runtime', ARRAY[]::text [],
-    'ql3_runtime may not execute ql3_ai.resolve_invocation');
-SELECT function_privs_are('ql3_ai', 'resolve_invocation', ARRAY['jsonb'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai.resolve_invocation');
-SELECT function_privs_are('ql3_ai', 'resolve_invocation', ARRAY['jsonb'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai.resolve_invocation');
-SELECT function_privs_are('ql3_ai', 'resolve_invocation', ARRAY['jsonb'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai.resolve_invocation');
-SELECT function_privs_are('ql3_ai', 'recover_expired', ARRAY['integer', 'interval'], 'ql3_runtime', ARRAY[]::text [],
-    'ql3_runtime may not execute ql3_ai.recover_expired');
-SELECT function_privs_are('ql3_ai', 'recover_expired', ARRAY['integer', 'interval'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai.recover_expired');
-SELECT function_privs_are('ql3_ai', 'recover_expired', ARRAY['integer', 'interval'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai.recover_expired');
-SELECT function_privs_are('ql3_ai', 'recover_expired', ARRAY['integer', 'interval'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai.recover_expired');
-SELECT function_privs_are('ql3_ai', 'usage_summary', ARRAY['text', 'timestamptz', 'timestamptz'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai.usage_summary');
-SELECT function_privs_are('ql3_ai', 'usage_summary', ARRAY['text', 'timestamptz', 'timestamptz'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai.usage_summary');
-SELECT function_privs_are('ql3_ai', 'usage_summary', ARRAY['text', 'timestamptz', 'timestamptz'], 'ql3_reader', ARRAY['EXECUTE'],
-    'ql3_reader may execute ql3_ai.usage_summary');
-SELECT function_privs_are('ql3_ai', 'usage_summary', ARRAY['text', 'timestamptz', 'timestamptz'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai.usage_summary');
-SELECT function_privs_are('ql3_ai', '_check_shape', ARRAY['text', 'jsonb', 'text', 'text[]', 'text[]'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._check_shape');
-SELECT function_privs_are('ql3_ai', '_check_shape', ARRAY['text', 'jsonb', 'text', 'text[]', 'text[]'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._check_shape');
-SELECT function_privs_are('ql3_ai', '_check_shape', ARRAY['text', 'jsonb', 'text', 'text[]', 'text[]'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._check_shape');
-SELECT function_privs_are('ql3_ai', '_check_shape', ARRAY['text', 'jsonb', 'text', 'text[]', 'text[]'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._check_shape');
-SELECT function_privs_are('ql3_ai', '_checked_digest', ARRAY['text', 'text', 'jsonb'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._checked_digest');
-SELECT function_privs_are('ql3_ai', '_checked_digest', ARRAY['text', 'text', 'jsonb'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._checked_digest');
-SELECT function_privs_are('ql3_ai', '_checked_digest', ARRAY['text', 'text', 'jsonb'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._checked_digest');
-SELECT function_privs_are('ql3_ai', '_checked_digest', ARRAY['text', 'text', 'jsonb'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._checked_digest');
-SELECT function_privs_are('ql3_ai', '_uuid', ARRAY['text', 'text'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._uuid');
-SELECT function_privs_are('ql3_ai', '_uuid', ARRAY['text', 'text'], 'ql3_operator', ARRAY[]::text [],
-    'ql3_operator may not execute ql3_ai._uuid');
-SELECT function_privs_are('ql3_ai', '_uuid', ARRAY['text', 'text'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._uuid');
-SELECT function_privs_are('ql3_ai', '_uuid', ARRAY['text', 'text'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._uuid');
-SELECT function_privs_are('ql3_ai', '_check_sha256', ARRAY['text', 'text'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._check_sha256');
-SELECT function_privs_are('ql3_ai', '_check_sha256', ARRAY['text', 'text'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._check_sha256');
-SELECT function_privs_are('ql3_ai', '_check_sha256', ARRAY['text', 'text'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._check_sha256');
-SELECT function_privs_are('ql3_ai', '_check_sha256', ARRAY['text', 'text'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._check_sha256');
-SELECT function_privs_are('ql3_ai', '_timestamp', ARRAY['text', 'text'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._timestamp');
-SELECT function_privs_are('ql3_ai', '_timestamp', ARRAY['text', 'text'], 'ql3_operator', ARRAY[]::text [],
-    'ql3_operator may not execute ql3_ai._timestamp');
-SELECT function_privs_are('ql3_ai', '_timestamp', ARRAY['text', 'text'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._timestamp');
-SELECT function_privs_are('ql3_ai', '_timestamp', ARRAY['text', 'text'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._timestamp');
-SELECT function_privs_are('ql3_ai', '_utc', ARRAY['timestamptz'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._utc');
-SELECT function_privs_are('ql3_ai', '_utc', ARRAY['timestamptz'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._utc');
-SELECT function_privs_are('ql3_ai', '_utc', ARRAY['timestamptz'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._utc');
-SELECT function_privs_are('ql3_ai', '_utc', ARRAY['timestamptz'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._utc');
-SELECT function_privs_are('ql3_ai', '_identities', ARRAY['text', 'text'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._identities');
-SELECT function_privs_are('ql3_ai', '_identities', ARRAY['text', 'text'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._identities');
-SELECT function_privs_are('ql3_ai', '_identities', ARRAY['text', 'text'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._identities');
-SELECT function_privs_are('ql3_ai', '_identities', ARRAY['text', 'text'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._identities');
-SELECT function_privs_are('ql3_ai', '_verify_receipt', ARRAY['text', 'text', 'jsonb', 'text'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._verify_receipt');
-SELECT function_privs_are('ql3_ai', '_verify_receipt', ARRAY['text', 'text', 'jsonb', 'text'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._verify_receipt');
-SELECT function_privs_are('ql3_ai', '_verify_receipt', ARRAY['text', 'text', 'jsonb', 'text'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._verify_receipt');
-SELECT function_privs_are('ql3_ai', '_verify_receipt', ARRAY['text', 'text', 'jsonb', 'text'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._verify_receipt');
-SELECT function_privs_are('ql3_ai', '_write_completion', ARRAY['ql3_ai.model_invocation_starts', 'bigint', 'jsonb', 'text', 'boolean'], 'ql3_runtime', ARRAY['EXECUTE'],
-    'ql3_runtime may execute ql3_ai._write_completion');
-SELECT function_privs_are('ql3_ai', '_write_completion', ARRAY['ql3_ai.model_invocation_starts', 'bigint', 'jsonb', 'text', 'boolean'], 'ql3_operator', ARRAY['EXECUTE'],
-    'ql3_operator may execute ql3_ai._write_completion');
-SELECT function_privs_are('ql3_ai', '_write_completion', ARRAY['ql3_ai.model_invocation_starts', 'bigint', 'jsonb', 'text', 'boolean'], 'ql3_reader', ARRAY[]::text [],
-    'ql3_reader may not execute ql3_ai._write_completion');
-SELECT function_privs_are('ql3_ai', '_write_completion', ARRAY['ql3_ai.model_invocation_starts', 'bigint', 'jsonb', 'text', 'boolean'], 'ql3_relay', ARRAY[]::text [],
-    'ql3_relay may not execute ql3_ai._write_completion');
+CREATE TABLE tests.expected_table_privs AS
+SELECT
+    t.ord AS table_ord,
+    t.schema_name::name AS schema_name,
+    t.table_name::name AS table_name,
+    g.ord AS role_ord,
+    g.role::name AS role,
+    g.privs::name [] AS privs
+FROM (VALUES
+    (1, 'ql3', 'runs', '{SELECT,INSERT,UPDATE}', '{}', '{SELECT,UPDATE}', '{SELECT}', '{}'),
+    (2, 'ql3', 'step_runs', '{SELECT,INSERT,UPDATE}', '{}', '{SELECT,UPDATE}', '{SELECT}', '{}'),
+    (3, 'ql3', 'run_events', '{SELECT,INSERT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
+    (4, 'ql3', 'step_run_mutations', '{SELECT,INSERT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
+    (5, 'ql3_ai', 'feature_history', '{}', '{}', '{}', '{SELECT}', '{}'),
+    (6, 'ql3_ai', 'model_invocation_starts', '{SELECT,INSERT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (7, 'ql3_ai', 'model_invocation_completions', '{SELECT,INSERT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
+    -- The runtime cannot settle its own unknown outcomes, not even by INSERT (D10).
+    (8, 'ql3_ai', 'model_invocation_resolutions', '{SELECT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
+    (9, 'ql3_ai', 'usage_ledger', '{SELECT,INSERT}', '{}', '{SELECT}', '{SELECT}', '{}')
+) AS t (ord, schema_name, table_name, runtime, relay, operator, reader, public)
+CROSS JOIN LATERAL (VALUES
+    (1, 'ql3_runtime', t.runtime),
+    (2, 'ql3_relay', t.relay),
+    (3, 'ql3_operator', t.operator),
+    (4, 'ql3_reader', t.reader),
+    (5, 'public', t.public)
+) AS g (ord, role, privs);
+
+SELECT table_owner_is(
+    e.schema_name, e.table_name, 'ql3_owner', format('ql3_owner owns %s.%s', e.schema_name, e.table_name)
+)
+FROM tests.expected_table_privs AS e
+WHERE e.role_ord = 1  -- one row per table
+ORDER BY e.table_ord;
+
+SELECT table_privs_are(
+    e.schema_name, e.table_name, e.role, e.privs,
+    format('%s has exactly %s on table %s.%s', e.role, e.privs, e.schema_name, e.table_name)
+)
+FROM tests.expected_table_privs AS e
+ORDER BY e.table_ord, e.role_ord;
+
+-- No column-level grant hides behind the table-level ones (a column-level UPDATE on a
+-- receipt would let its holder lock receipt rows).
+SELECT any_column_privs_are(
+    e.schema_name, e.table_name, e.role, tests.column_privs(e.privs, '{}'),
+    format('%s has exactly %s on the columns of %s.%s', e.role, tests.column_privs(e.privs, '{}'), e.schema_name,
+           e.table_name)
+)
+FROM tests.expected_table_privs AS e
+ORDER BY e.table_ord, e.role_ord;
+
+-- Functions: one row per function, with the roles that may execute it ----------------------
+-- Helpers included: everything is SECURITY INVOKER, so a caller needs them too.
+
+SELECT function_privs_are(
+    f.schema_name, f.function_name, f.args, g.role,
+    CASE WHEN g.role = any(f.grantees) THEN '{EXECUTE}'::name [] ELSE '{}'::name [] END,
+    format('%s %s execute %s.%s(%s)', g.role,
+           CASE WHEN g.role = any(f.grantees) THEN 'may' ELSE 'may not' END,
+           f.schema_name, f.function_name, array_to_string(f.args, ', '))
+)
+FROM (VALUES
+    (1, 'ql3', 'create_run', '{text,text,uuid}'::name [], '{ql3_runtime}'::name []),
+    (2, 'ql3', 'add_step_run', '{uuid,text,uuid}', '{ql3_runtime}'),
+    (3, 'ql3', '_now', '{}', '{ql3_runtime,ql3_operator}'),
+    (4, 'ql3_ai', 'admit_invocation', '{jsonb}', '{ql3_runtime}'),
+    (5, 'ql3_ai', 'complete_invocation', '{jsonb}', '{ql3_runtime}'),
+    -- Resolution and recovery are the operator's: the runtime never settles its own outcomes.
+    (6, 'ql3_ai', 'resolve_invocation', '{jsonb}', '{ql3_operator}'),
+    (7, 'ql3_ai', 'recover_expired', '{integer,interval}', '{ql3_operator}'),
+    (8, 'ql3_ai', 'usage_summary', '{text,timestamptz,timestamptz}', '{ql3_runtime,ql3_operator,ql3_reader}'),
+    (9, 'ql3_ai', '_check_shape', '{text,jsonb,text,"text[]","text[]"}', '{ql3_runtime,ql3_operator}'),
+    (10, 'ql3_ai', '_checked_digest', '{text,text,jsonb}', '{ql3_runtime,ql3_operator}'),
+    (11, 'ql3_ai', '_uuid', '{text,text}', '{ql3_runtime}'),
+    (12, 'ql3_ai', '_check_sha256', '{text,text}', '{ql3_runtime,ql3_operator}'),
+    (13, 'ql3_ai', '_timestamp', '{text,text}', '{ql3_runtime}'),
+    (14, 'ql3_ai', '_utc', '{timestamptz}', '{ql3_runtime,ql3_operator}'),
+    (15, 'ql3_ai', '_identities', '{text,text}', '{ql3_runtime,ql3_operator}'),
+    (16, 'ql3_ai', '_verify_receipt', '{text,text,jsonb,text}', '{ql3_runtime,ql3_operator}'),
+    (17, 'ql3_ai', '_write_completion', '{ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean}',
+     '{ql3_runtime,ql3_operator}')
+) AS f (ord, schema_name, function_name, args, grantees)
+CROSS JOIN (VALUES
+    (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')
+) AS g (ord, role)
+ORDER BY f.ord, g.ord;
+
+-- Refusals: one row per statement a role's grants must not permit --------------------------
+-- Whatever the rows: the privilege check comes first. Locking a row in any mode needs
+-- UPDATE, so no role but the owner can lock a receipt or a run event.
+
+CREATE TABLE tests.refusals AS
+SELECT
+    g.role::name AS role,
+    row_number() OVER (PARTITION BY g.role ORDER BY t.ord, s.ord) AS ord,
+    format(s.statement, t.schema_name, t.table_name, t.column_name) AS statement,
+    format('%s cannot %s %s.%s%s', g.role, s.verb, t.schema_name, t.table_name, s.suffix) AS description
+FROM (VALUES
+    (1, 'ql3_ai', 'model_invocation_starts', 'invocation_id'),
+    (2, 'ql3_ai', 'model_invocation_completions', 'invocation_id'),
+    (3, 'ql3_ai', 'model_invocation_resolutions', 'invocation_id'),
+    (4, 'ql3_ai', 'usage_ledger', 'invocation_id'),
+    (5, 'ql3', 'run_events', 'event_id'),
+    (6, 'ql3', 'step_run_mutations', 'mutation_id')
+) AS t (ord, schema_name, table_name, column_name)
+CROSS JOIN (VALUES
+    (1, 'UPDATE %1$I.%2$I SET %3$I = %3$I', 'UPDATE', ''),
+    (2, 'DELETE FROM %1$I.%2$I', 'DELETE from', ''),
+    (3, 'TRUNCATE %1$I.%2$I', 'TRUNCATE', ''),
+    (4, 'SELECT 1 FROM %1$I.%2$I FOR UPDATE', 'lock', ' FOR UPDATE'),
+    (5, 'SELECT 1 FROM %1$I.%2$I FOR NO KEY UPDATE', 'lock', ' FOR NO KEY UPDATE'),
+    (6, 'SELECT 1 FROM %1$I.%2$I FOR SHARE', 'lock', ' FOR SHARE'),
+    (7, 'SELECT 1 FROM %1$I.%2$I FOR KEY SHARE', 'lock', ' FOR KEY SHARE')
+) AS s (ord, statement, verb, suffix)
+CROSS JOIN (VALUES ('ql3_runtime'), ('ql3_operator'), ('ql3_reader')) AS g (role);
+GRANT SELECT ON tests.refusals TO PUBLIC;  -- noqa: CP02
 
 -- The roles at work: the runtime admits and completes, the operator resolves and recovers.
 
@@ -307,22 +247,8 @@ SELECT throws_ok(
       FROM ql3_ai.model_invocation_completions$$,
     '42501', NULL, 'the runtime cannot write a resolution by hand either'
 );
-SELECT throws_ok(
-    $$UPDATE ql3_ai.model_invocation_starts SET model = 'x'$$, '42501', NULL, 'the runtime cannot UPDATE starts'
-);
-SELECT throws_ok(
-    $$DELETE FROM ql3_ai.model_invocation_completions$$, '42501', NULL, 'the runtime cannot DELETE completions'
-);
-SELECT throws_ok(
-    $$TRUNCATE ql3_ai.usage_ledger$$, '42501', NULL, 'the runtime cannot TRUNCATE the usage ledger'
-);
-SELECT throws_ok(
-    $$UPDATE ql3.run_events SET event_type = 'x'$$, '42501', NULL, 'the runtime cannot UPDATE run events'
-);
-SELECT throws_ok(
-    $$SELECT 1 FROM ql3_ai.model_invocation_starts FOR UPDATE$$,
-    '42501', NULL, 'the runtime cannot lock receipts (FOR UPDATE needs UPDATE)'
-);
+SELECT throws_ok(r.statement, '42501', NULL, r.description)
+FROM tests.refusals AS r WHERE r.role = 'ql3_runtime' ORDER BY r.ord;
 
 SET ROLE ql3_operator;
 SELECT lives_ok(
@@ -339,6 +265,8 @@ SELECT throws_ok(
         'inv-9', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-000000000001', 4))$$,
     '42501', NULL, 'the operator does not admit model calls'
 );
+SELECT throws_ok(r.statement, '42501', NULL, r.description)
+FROM tests.refusals AS r WHERE r.role = 'ql3_operator' ORDER BY r.ord;
 
 SET ROLE ql3_reader;
 SELECT lives_ok(
@@ -347,6 +275,8 @@ SELECT lives_ok(
 SELECT throws_ok(
     $$SELECT ql3_ai.complete_invocation(tests.completion('inv-2'))$$, '42501', NULL, 'the reader cannot complete'
 );
+SELECT throws_ok(r.statement, '42501', NULL, r.description)
+FROM tests.refusals AS r WHERE r.role = 'ql3_reader' ORDER BY r.ord;
 
 SET ROLE ql3_relay;
 SELECT throws_ok(
@@ -360,44 +290,22 @@ SELECT throws_ok(
 
 SET ROLE ql3_owner;
 SELECT throws_ok(
-    $$UPDATE ql3_ai.model_invocation_starts SET model = 'x'$$, 'Q3S01', NULL, 'starts refuse UPDATE, even by the owner'
-);
-SELECT throws_ok(
-    $$DELETE FROM ql3_ai.model_invocation_starts$$, 'Q3S01', NULL, 'starts refuse DELETE, even by the owner'
-);
-SELECT throws_ok(
-    $$TRUNCATE ql3_ai.model_invocation_starts CASCADE$$, 'Q3S01', NULL, 'starts refuse TRUNCATE, even by the owner'
-);
-SELECT throws_ok(
-    $$UPDATE ql3_ai.model_invocation_completions SET result_code = 'x'$$,
-    'Q3S01', NULL, 'completions refuse UPDATE, even by the owner'
-);
-SELECT throws_ok(
-    $$DELETE FROM ql3_ai.model_invocation_completions$$, 'Q3S01', NULL, 'completions refuse DELETE, even by the owner'
-);
-SELECT throws_ok(
-    $$TRUNCATE ql3_ai.model_invocation_completions CASCADE$$,
-    'Q3S01', NULL, 'completions refuse TRUNCATE, even by the owner'
-);
-SELECT throws_ok(
-    $$UPDATE ql3_ai.model_invocation_resolutions SET decision = 'fail'$$,
-    'Q3S01', NULL, 'resolutions refuse UPDATE, even by the owner'
-);
-SELECT throws_ok(
-    $$DELETE FROM ql3_ai.model_invocation_resolutions$$, 'Q3S01', NULL, 'resolutions refuse DELETE, even by the owner'
-);
-SELECT throws_ok(
-    $$TRUNCATE ql3_ai.model_invocation_resolutions$$, 'Q3S01', NULL, 'resolutions refuse TRUNCATE, even by the owner'
-);
-SELECT throws_ok(
-    $$UPDATE ql3_ai.usage_ledger SET cost_micros = 0$$, 'Q3S01', NULL, 'the ledger refuses UPDATE, even by the owner'
-);
-SELECT throws_ok(
-    $$DELETE FROM ql3_ai.usage_ledger$$, 'Q3S01', NULL, 'the ledger refuses DELETE, even by the owner'
-);
-SELECT throws_ok(
-    $$TRUNCATE ql3_ai.usage_ledger$$, 'Q3S01', NULL, 'the ledger refuses TRUNCATE, even by the owner'
-);
+    format(s.statement, t.table_name), 'Q3S01', NULL,
+    format('ql3_ai.%s refuses %s, even by the owner', t.table_name, s.verb)
+)
+FROM (VALUES
+    (1, 'model_invocation_starts'),
+    (2, 'model_invocation_completions'),
+    (3, 'model_invocation_resolutions'),
+    (4, 'usage_ledger')
+) AS t (ord, table_name)
+CROSS JOIN (VALUES
+    (1, 'UPDATE ql3_ai.%1$I SET invocation_id = invocation_id', 'UPDATE'),
+    (2, 'DELETE FROM ql3_ai.%1$I', 'DELETE'),
+    -- CASCADE: without it the foreign keys refuse first, and the trigger is what is tested.
+    (3, 'TRUNCATE ql3_ai.%1$I CASCADE', 'TRUNCATE')
+) AS s (ord, statement, verb)
+ORDER BY t.ord, s.ord;
 
 RESET ROLE;
 SELECT * FROM finish();

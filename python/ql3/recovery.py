@@ -20,7 +20,6 @@ holds (``FOR UPDATE ... SKIP LOCKED``), so two batches never settle the same inv
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -29,21 +28,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ql3 import errors
 from ql3.cli import print_json
 from ql3.db import dsn_from_env
+from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import format_timestamp
 from ql3.logs import backoff_delay, configure_logging, describe_error
 from ql3.store import PgStore, Row
@@ -138,7 +131,7 @@ class RecoveryLoop:
         self._stop = threading.Event()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._http: ThreadingHTTPServer | None = None
+        self._http: StatusServer | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -298,54 +291,20 @@ class RecoveryLoop:
             }
 
     def _open_http(self) -> None:
-        if self.config.metrics_port is None or self.config.metrics_port < 0:
-            return
-        self._http = ThreadingHTTPServer(
-            (self.config.metrics_host, self.config.metrics_port), _handler_for(self)
+        self._http = serve_status(
+            self.config.metrics_host,
+            self.config.metrics_port,
+            self.registry,
+            self.health,
+            name="ql3-recovery-http",
+            log=log,
         )
-        self._http.daemon_threads = True
-        self.metrics_port = int(self._http.server_address[1])
-        threading.Thread(
-            target=self._http.serve_forever, name="ql3-recovery-http", daemon=True
-        ).start()
-        _log(
-            logging.INFO,
-            "metrics_listening",
-            host=self.config.metrics_host,
-            port=self.metrics_port,
-        )
+        self.metrics_port = None if self._http is None else self._http.port
 
     def _close_http(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
-
-
-def _handler_for(loop: RecoveryLoop) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(loop.registry))
-            elif path in ("/healthz", "/health"):
-                report = loop.health()
-                status = 200 if report["status"] == "ok" else 503
-                self._reply(status, "application/json", json.dumps(report).encode())
-            else:
-                self._reply(404, "text/plain", b"not found\n")
-
-        def _reply(self, status: int, ctype: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # scrapes every few seconds would drown the JSON log
-
-    return Handler
 
 
 # -- command line ----------------------------------------------------------------------

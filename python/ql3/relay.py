@@ -44,19 +44,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import redis.asyncio as aioredis
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from psycopg.conninfo import conninfo_to_dict
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
+from ql3.http_status import StatusServer, serve_status
 from ql3.logs import backoff_delay, configure_logging, describe_error
 
 NOTIFY_CHANNEL = "ql3_contract_outbox"
@@ -320,7 +315,7 @@ class Relay:
         self._redis: aioredis.Redis | None = None
         self._publish_script: AsyncScript | None = None
         self._task: asyncio.Task[None] | None = None
-        self._http: asyncio.Server | None = None
+        self._http: StatusServer | None = None
         self._pg_connected_once = False
         self._pg_ok = False
         self._redis_ok = False
@@ -400,9 +395,7 @@ class Relay:
                 await heartbeat
             await self._close_connections()
             if self._http is not None:
-                self._http.close()
-                with contextlib.suppress(Exception):
-                    await self._http.wait_closed()
+                await asyncio.to_thread(self._http.close)
                 self._http = None
             self.metrics.up.set(0)
             _log(
@@ -806,7 +799,10 @@ class Relay:
             await self._sleep(self.config.heartbeat_interval)
 
     def health(self) -> dict[str, Any]:
-        """What /healthz reports; ``status`` is ``ok`` only when both servers work."""
+        """What /healthz reports; ``status`` is ``ok`` only when both servers work.
+
+        Called from the status server's threads: it only reads.
+        """
         ok = self._pg_ok and self._redis_ok and self._cycle_recent()
         age = None if self._last_cycle_at is None else time.monotonic() - self._last_cycle_at
         return {
@@ -821,51 +817,16 @@ class Relay:
         }
 
     async def _open_http(self) -> None:
-        if self.config.metrics_port is None or self.config.metrics_port < 0:
-            return
-        self._http = await asyncio.start_server(
-            self._serve_http, self.config.metrics_host, self.config.metrics_port
-        )
-        sockets = self._http.sockets
-        self.metrics_port = int(sockets[0].getsockname()[1]) if sockets else None
-        _log(
-            logging.INFO,
-            "metrics_listening",
+        self._http = serve_status(
+            self.config.metrics_host,
+            self.config.metrics_port,
+            self.registry,
+            self.health,
+            name="ql3-relay-http",
+            log=log,
             relay_id=self.relay_id,
-            host=self.config.metrics_host,
-            port=self.metrics_port,
         )
-
-    async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), timeout=5)
-            while True:
-                line = await asyncio.wait_for(reader.readline(), timeout=5)
-                if line in (b"\r\n", b"\n", b""):
-                    break
-            parts = request.decode("latin-1").split()
-            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"
-            if path == "/metrics":
-                status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-            elif path in ("/healthz", "/health"):
-                report = self.health()
-                status = 200 if report["status"] == "ok" else 503
-                ctype, body = "application/json", json.dumps(report).encode()
-            else:
-                status, ctype, body = 404, "text/plain", b"not found\n"
-            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
-            head = (
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode("latin-1") + body)
-            await writer.drain()
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, UnicodeDecodeError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        self.metrics_port = None if self._http is None else self._http.port
 
 
 async def _rollback_quietly(conn: psycopg.AsyncConnection[Any]) -> None:

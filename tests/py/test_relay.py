@@ -248,6 +248,17 @@ class Subscriber:
         return {int(e["seq"]) for e in self.events}
 
 
+async def activate_and_see_it_soon(
+    conn: psycopg.AsyncConnection[Any], sub: Subscriber, body: dict[str, Any]
+) -> None:
+    """Activate, then wait for its event: within 2 s, so a NOTIFY woke the relay (the
+    tests that use this poll once a minute)."""
+    started = time.monotonic()
+    event = await activate(conn, "p", "c", body)
+    await until(lambda: event["seq"] in sub.seqs(), 5, "the event")
+    assert time.monotonic() - started < 2.0
+
+
 @contextlib.asynccontextmanager
 async def running(relay: Relay) -> AsyncIterator[Relay]:
     await relay.start()
@@ -332,10 +343,7 @@ def test_notify_wakes_the_relay_long_before_the_poll(db: str, redis_url: str, pr
             running(Relay(config(db, redis_url, prefix, poll_interval=60.0))),
         ):
             for i in range(3):
-                started = time.monotonic()
-                await activate(conn, "p", "c", {"n": i})
-                await until(lambda i=i: len(sub.events) > i, 5, "the event")  # type: ignore[misc]
-                assert time.monotonic() - started < 2.0
+                await activate_and_see_it_soon(conn, sub, {"n": i})
 
     run(scenario())
 
@@ -459,6 +467,26 @@ def test_metrics_and_healthz_are_served_over_http(db: str, redis_url: str, prefi
                 assert series in text, series
             status, _ = await http_get(r.metrics_port, "/nope")
             assert status == 404
+
+    run(scenario())
+
+
+def test_healthz_is_503_while_redis_is_unreachable(db: str, prefix: str) -> None:
+    nowhere = f"redis://127.0.0.1:{devservers.free_port()}/0"
+
+    async def scenario() -> None:
+        relay = Relay(config(db, nowhere, prefix, metrics_port=0, redis_timeout=0.5))
+        async with running(relay) as r:
+            assert r.metrics_port is not None
+            await until(lambda: r.health()["postgres"], 5, "a claim from PostgreSQL")
+            status, body = await http_get(r.metrics_port, "/healthz")
+            report = json.loads(body)
+            assert status == 503
+            assert (report["status"], report["postgres"], report["redis"]) == (
+                "unhealthy",
+                True,
+                False,
+            )
 
     run(scenario())
 
@@ -682,10 +710,7 @@ def test_losing_only_the_listen_connection_relistens_and_keeps_the_work_connecti
             await until(lambda: sub.seqs() == {first["seq"]}, 5, "the event after the kill")
             await until_new_listen_backend(conn, old, 5)
             for i in range(1, 4):
-                started = time.monotonic()
-                event = await activate(conn, "p", "c", {"n": i})
-                await until(lambda e=event: e["seq"] in sub.seqs(), 5, "a NOTIFY delivery")  # type: ignore[misc]
-                assert time.monotonic() - started < 2.0
+                await activate_and_see_it_soon(conn, sub, {"n": i})
             assert len(sub.events) == len(sub.seqs()) == 4
             assert await backend_pids(conn, "ql3-relay") == work
             assert sample(relay, "ql3_relay_reconnects_total", target="postgres") == 1

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from ql3 import errors
@@ -68,6 +69,13 @@ def translated() -> Iterator[None]:
         raise translate(exc) from exc
 
 
+def with_options(conninfo: str, options: str) -> str:
+    """``options`` after the conninfo's own (or PGOPTIONS'): passing ``options`` to
+    psycopg replaces both, which would drop a caller's ``-c role=...`` or search_path."""
+    given = conninfo_to_dict(conninfo).get("options") or os.environ.get("PGOPTIONS")
+    return f"{given} {options}" if given else options
+
+
 def connect(
     conninfo: str, *, timeouts: Timeouts | None = None, autocommit: bool = False
 ) -> psycopg.Connection[tuple[object, ...]]:
@@ -75,7 +83,10 @@ def connect(
     t = timeouts or Timeouts()
     with translated():
         return psycopg.connect(
-            conninfo, autocommit=autocommit, connect_timeout=t.connect_s, options=t.options()
+            conninfo,
+            autocommit=autocommit,
+            connect_timeout=t.connect_s,
+            options=with_options(conninfo, t.options()),
         )
 
 
@@ -100,7 +111,7 @@ def make_pool(
         kwargs={
             "autocommit": True,
             "connect_timeout": t.connect_s,
-            "options": f"{t.options()} {DEFERRED_NOTIFY_OPTION}",
+            "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
         },
         timeout=float(t.connect_s),
         open=True,

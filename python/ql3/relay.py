@@ -45,12 +45,12 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from psycopg.conninfo import conninfo_to_dict
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
+from ql3.db import with_options
 from ql3.http_status import StatusServer, serve_status
 from ql3.logs import backoff_delay, configure_logging, describe_error
 
@@ -520,9 +520,7 @@ class Relay:
         """One autocommit relay connection; ``options`` go after the conninfo's own."""
         extra: dict[str, Any] = {}
         if options:
-            # A connection option replaces the conninfo's options (or PGOPTIONS): keep them.
-            given = conninfo_to_dict(conninfo).get("options") or os.environ.get("PGOPTIONS")
-            extra["options"] = f"{given} {options}" if given else options
+            extra["options"] = with_options(conninfo, options)
         return await psycopg.AsyncConnection.connect(
             conninfo,
             autocommit=True,

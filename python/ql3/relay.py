@@ -219,6 +219,9 @@ class RelayConfig:
     batch: int = 1000
     poll_interval: float = 1.0
     heartbeat_interval: float = 2.0
+    # A silently cut LISTEN connection (no FIN, no RST) would wait forever: every this many
+    # seconds it must answer a SELECT 1 within min(5, interval) seconds or be opened again.
+    listen_probe_interval: float = 30.0
     backoff_initial: float = 0.1
     backoff_max: float = 10.0
     redis_timeout: float = 5.0
@@ -231,8 +234,8 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 10000:
             raise ValueError("batch must be 1..10000")
-        if self.poll_interval <= 0 or self.heartbeat_interval <= 0:
-            raise ValueError("poll and heartbeat intervals must be positive")
+        if min(self.poll_interval, self.heartbeat_interval, self.listen_probe_interval) <= 0:
+            raise ValueError("poll, heartbeat and listen probe intervals must be positive")
         if not self.channel_prefix:
             raise ValueError("channel prefix must not be empty")
 
@@ -573,9 +576,10 @@ class Relay:
                 listened_before = True
                 failures = 0
                 self._wake.set()
-                async for _ in conn.notifies():
-                    self._wake.set()
-                raise _ListenerLost("notification stream ended")
+                while not self._stop.is_set():
+                    async for _ in conn.notifies(timeout=self.config.listen_probe_interval):
+                        self._wake.set()
+                    await self._probe_listen(conn)
             except Exception as exc:
                 reraise_if_cancelled()
                 failures += 1
@@ -592,6 +596,14 @@ class Relay:
                     with contextlib.suppress(Exception):
                         await conn.close()
             await self._sleep(self._backoff(failures))
+
+    async def _probe_listen(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Raises ``_ListenerLost`` unless the LISTEN connection answers a SELECT 1 in time."""
+        limit = min(5.0, self.config.listen_probe_interval)
+        try:
+            await asyncio.wait_for(conn.execute("SELECT 1"), limit)
+        except TimeoutError as exc:
+            raise _ListenerLost(f"no answer to a liveness probe within {limit:g} s") from exc
 
     async def _close_pg(self) -> None:
         for conn in (self._work, self._work2):
@@ -862,6 +874,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between heartbeats (env QL3_RELAY_HEARTBEAT_INTERVAL; default 2)",
     )
     a(
+        "--listen-probe-interval",
+        type=float,
+        help="seconds between liveness probes of the LISTEN connection "
+        "(env QL3_RELAY_LISTEN_PROBE_INTERVAL; default 30)",
+    )
+    a(
         "--backoff-max",
         type=float,
         help="cap of the retry backoff in seconds (env QL3_RELAY_BACKOFF_MAX; default 10)",
@@ -915,6 +933,9 @@ def config_from_args(
         batch=number("batch", "QL3_RELAY_BATCH", 1000, int),
         poll_interval=number("poll_interval", "QL3_RELAY_POLL_INTERVAL", 1.0, float),
         heartbeat_interval=number("heartbeat_interval", "QL3_RELAY_HEARTBEAT_INTERVAL", 2.0, float),
+        listen_probe_interval=number(
+            "listen_probe_interval", "QL3_RELAY_LISTEN_PROBE_INTERVAL", 30.0, float
+        ),
         backoff_max=number("backoff_max", "QL3_RELAY_BACKOFF_MAX", 10.0, float),
         metrics_host=str(pick("metrics_host", "QL3_RELAY_METRICS_HOST") or "127.0.0.1"),
         metrics_port=number("metrics_port", "QL3_RELAY_METRICS_PORT", DEFAULT_METRICS_PORT, int),

@@ -7,6 +7,9 @@ server's reply, drops it, and closes the client side. The transaction is then co
 while the client only sees its connection break: exactly the "COMMIT response lost" case
 (SPEC section 11). ``commit_lost`` is set once that happened.
 
+``freeze()`` cuts every open connection silently, as a network partition does: both
+directions are swallowed, nothing is closed; connections opened later pass.
+
 ``arm_commit_loss(b"admit_invocation")`` does the same at the next statement whose text
 contains that marker: on an autocommit connection a statement is its own transaction and
 commits as it completes, so losing its reply is losing the answer to its COMMIT.
@@ -49,6 +52,7 @@ class _Link:
         self.client = client
         self.server = server
         self.dropping = threading.Event()
+        self.frozen = threading.Event()
 
     def start(self) -> None:
         for target in (self._client_to_server, self._server_to_client):
@@ -89,7 +93,8 @@ class _Link:
                         message, buffer = buffer[: 1 + length], buffer[1 + length :]
                         if self.proxy._take_arm(message[0], message[5:]):
                             self.dropping.set()  # before the server can answer
-                    self.server.sendall(message)
+                    if not self.frozen.is_set():
+                        self.server.sendall(message)
         except OSError:
             pass
         finally:
@@ -107,7 +112,8 @@ class _Link:
                     # client never hears of it.
                     self.proxy.commit_lost.set()
                     break
-                self.client.sendall(data)
+                if not self.frozen.is_set():
+                    self.client.sendall(data)
         except OSError:
             pass
         finally:
@@ -148,6 +154,12 @@ class PgProxy:
         with self._lock:
             self._armed, self._marker = True, marker
         self.commit_lost.clear()
+
+    def freeze(self) -> None:
+        """Swallow everything on the connections open now, without closing them."""
+        with self._lock:
+            for link in self._links:
+                link.frozen.set()
 
     def _take_arm(self, kind: int, payload: bytes) -> bool:
         """True once: for the first matching message after arming."""

@@ -35,10 +35,12 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from fix_tcp_proxy import PgProxy
 from ql3 import devservers
 from ql3.logs import JsonLogFormatter
 from ql3.migrate import migrate
 from ql3.relay import (
+    LISTEN_APPLICATION_NAME,
     Relay,
     RelayConfig,
     config_from_args,
@@ -750,6 +752,42 @@ def test_losing_the_listen_connection_mid_batch_neither_aborts_nor_redoes_the_ba
                     await relay.stop()
 
     run(scenario())
+
+
+def test_a_silently_cut_listen_connection_fails_its_probe_and_is_opened_again(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    params = conninfo_to_dict(db)
+    proxy = PgProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+
+    async def scenario() -> None:
+        relay_config = config(
+            db,
+            redis_url,
+            prefix,
+            listen_dsn=proxy.dsn(db),
+            poll_interval=60.0,  # without the probe, the event below would wait a minute
+            listen_probe_interval=0.5,
+        )
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+            running(Relay(relay_config)) as relay,
+        ):
+            [old] = await backend_pids(conn, LISTEN_APPLICATION_NAME)
+            proxy.freeze()  # no FIN, no RST: the LISTEN connection just stops hearing
+            first = await activate(conn, "p", "c", {"n": 0})
+            await until(lambda: sub.seqs() == {first["seq"]}, 10, "the event after the cut")
+            await until_new_listen_backend(conn, old, 5)
+            await until(lambda: pg_reconnects(relay) >= 1, 5, "the re-LISTEN")
+            await activate_and_see_it_soon(conn, sub, {"n": 1})
+            assert pg_reconnects(relay) == 1
+            assert sample(relay, "ql3_relay_failures_total", target="postgres") == 0
+
+    try:
+        run(scenario())
+    finally:
+        proxy.close()
 
 
 def test_work_connections_keep_the_dsn_options_and_set_the_idle_timeout_at_startup(

@@ -12,7 +12,10 @@
 -- Concurrency: every function locks the step row (FOR UPDATE on ql3.step_runs) before it
 -- looks for an existing receipt of its phase, which serialises everything that happens to
 -- one step; the run row is locked last, by the UPDATE that allocates the next event seq.
--- No function locks receipt rows: ql3_runtime has no UPDATE on them and so cannot.
+-- No function locks receipt rows itself (ql3_runtime has no UPDATE on them and so cannot);
+-- the only lock on one is PostgreSQL's FOR KEY SHARE of a foreign-key check, which a
+-- completion takes on its start and a resolution or ledger row on its completion. It
+-- conflicts only with deleting the receipt or changing its key, which nobody may do.
 --
 -- The internal helpers (prefix _) carry no SET clause: they run several times per call,
 -- call only pg_catalog built-ins and schema-qualified ql3 functions, and the public entry

@@ -259,6 +259,11 @@ class RelayMetrics:
         self.up = Gauge(
             "ql3_relay_up", "1 while this relay reaches PostgreSQL and Redis.", registry=registry
         )
+        self.listening = Gauge(
+            "ql3_relay_listening",
+            "1 while the LISTEN connection is up; 0 means events wait for the poll.",
+            registry=registry,
+        )
         self.published = Counter(
             "ql3_relay_published", "Outbox events published to Redis.", registry=registry
         )
@@ -570,6 +575,7 @@ class Relay:
                 )
                 await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 self._listening = True
+                self.metrics.listening.set(1)
                 if listened_before:
                     self.metrics.reconnects.labels(target="postgres").inc()
                     _log(logging.INFO, "listen_reconnected", relay_id=self.relay_id)
@@ -592,6 +598,7 @@ class Relay:
                 )
             finally:
                 self._listening = False
+                self.metrics.listening.set(0)
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         await conn.close()
@@ -811,7 +818,9 @@ class Relay:
     def health(self) -> dict[str, Any]:
         """What /healthz reports; ``status`` is ``ok`` only when both servers work.
 
-        Called from the status server's threads: it only reads.
+        ``listening`` false (the LISTEN connection is down) does not make it unhealthy:
+        events still flow, at the poll's pace. Called from the status server's threads: it
+        only reads.
         """
         ok = self._pg_ok and self._redis_ok and self._cycle_recent()
         age = None if self._last_cycle_at is None else time.monotonic() - self._last_cycle_at
@@ -820,6 +829,7 @@ class Relay:
             "relay_id": self.relay_id,
             "postgres": self._pg_ok,
             "redis": self._redis_ok,
+            "listening": self._listening,
             "last_cycle_age_seconds": age,
             "delivered_seq": self.delivered_seq,
             "published": self.published,

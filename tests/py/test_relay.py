@@ -372,6 +372,32 @@ def test_poll_delivers_events_whose_notification_never_came(
     run(scenario())
 
 
+def test_without_a_listen_connection_the_poll_delivers_and_health_says_not_listening(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    params = conninfo_to_dict(db)
+    params.update(host="127.0.0.1", port=str(devservers.free_port()))  # nobody listens there
+    nowhere = make_conninfo(**params)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        relay = Relay(config(db, redis_url, prefix, listen_dsn=nowhere, poll_interval=0.2))
+        async with (
+            await psycopg.AsyncConnection.connect(db, autocommit=True) as conn,
+            Subscriber(redis_url, prefix) as sub,
+        ):
+            await relay.start()
+            try:
+                event = await activate(conn, "p", "c", {"n": 0})
+                await until(lambda: sub.seqs() == {event["seq"]}, 5, "the polled event")
+                health = relay.health()
+                assert (health["status"], health["listening"]) == ("ok", False)
+                assert sample(relay, "ql3_relay_listening") == 0
+            finally:
+                await relay.stop()
+
+    run(scenario())
+
+
 def test_sweep_at_start_delivers_events_written_while_no_relay_ran(
     db: str, redis_url: str, prefix: str
 ) -> None:
@@ -783,6 +809,8 @@ def test_a_silently_cut_listen_connection_fails_its_probe_and_is_opened_again(
             await activate_and_see_it_soon(conn, sub, {"n": 1})
             assert pg_reconnects(relay) == 1
             assert sample(relay, "ql3_relay_failures_total", target="postgres") == 0
+            assert relay.health()["listening"] is True
+            assert sample(relay, "ql3_relay_listening") == 1
 
     try:
         run(scenario())

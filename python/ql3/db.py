@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ql3 import errors
 
@@ -95,24 +95,44 @@ def connect(
 DEFERRED_NOTIFY_OPTION = "-c ql3.outbox_notify=deferred"
 
 
+def pool_kwargs(conninfo: str, timeouts: Timeouts | None = None) -> dict[str, object]:
+    """The connection arguments of ql3's pools: autocommit (every ql3 call is one
+    statement calling one SQL function, its own transaction: one round trip instead of
+    BEGIN, the call and COMMIT, D20), ql3's timeouts, and deferred outbox NOTIFYs."""
+    t = timeouts or Timeouts()
+    return {
+        "autocommit": True,
+        "connect_timeout": t.connect_s,
+        "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
+    }
+
+
 def make_pool(
     conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
 ) -> ConnectionPool:
-    """A connection pool whose connections carry ql3's timeouts and defer outbox NOTIFYs.
-
-    The connections are autocommit: every ql3 call is one statement calling one SQL
-    function, which is its own transaction, so a call is one round trip instead of
-    BEGIN, the call and COMMIT (D20)."""
+    """A connection pool whose connections carry ql3's timeouts and defer outbox NOTIFYs
+    (``pool_kwargs``)."""
     t = timeouts or Timeouts()
     return ConnectionPool(
         conninfo,
         min_size=min_size,
         max_size=max_size,
-        kwargs={
-            "autocommit": True,
-            "connect_timeout": t.connect_s,
-            "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
-        },
+        kwargs=pool_kwargs(conninfo, t),
         timeout=float(t.connect_s),
         open=True,
+    )
+
+
+def make_async_pool(
+    conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
+) -> AsyncConnectionPool:
+    """The asyncio twin of ``make_pool``, not opened yet (``await pool.open()`` in a loop)."""
+    t = timeouts or Timeouts()
+    return AsyncConnectionPool(
+        conninfo,
+        min_size=min_size,
+        max_size=max_size,
+        kwargs=pool_kwargs(conninfo, t),
+        timeout=float(t.connect_s),
+        open=False,
     )

@@ -3,10 +3,12 @@ between a durable admission and a durable completion.
 
 Why it is built this way:
 
-- **Admission is never raced.** The blocking store call runs in one of the gateway's
-  store threads (``store_threads``, 8 by default: PgStore's default pool size, so that 8
-  concurrent calls do not queue for a thread) that the caller's cancellation and deadline
-  cannot stop: the gateway awaits a future of its own that the call's end completes and,
+- **Admission is never raced.** The store call runs where the caller's cancellation and
+  deadline cannot stop it: an asyncio store's (``ql3.store_async.AsyncPgStore``) as a task
+  of its own, a blocking store's (``PgStore``, the SQLite ``EdgeStore``) in one of the
+  gateway's store threads (``store_threads``, 8 by default: PgStore's default pool size, so
+  that 8 concurrent calls do not queue for a thread). The gateway awaits a future of its
+  own that the call's end completes and,
   when the caller is cancelled, keeps waiting for the database's own answer, writes the
   completion that answer calls for, and only then lets the cancellation through. An
   admission is bounded by the store's timeouts (``statement_timeout``, ``lock_timeout``,
@@ -43,6 +45,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import hashlib
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -202,13 +205,22 @@ GATEWAY_ERRORS: Final[tuple[type[GatewayError], ...]] = (
 class InvocationStore(Protocol):
     """The two store methods the gateway calls (blocking; run in a worker thread).
 
-    ``ql3.store.PgStore`` satisfies it, and so will the SQLite ``ql3.edge.EdgeStore``.
-    They must be bounded by their own timeouts: the gateway waits for them to end.
+    ``ql3.store.PgStore`` and the SQLite ``ql3.edge.EdgeStore`` satisfy it. They must be
+    bounded by their own timeouts: the gateway waits for them to end.
     """
 
     def admit_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]: ...
 
     def complete_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+
+class AsyncInvocationStore(Protocol):
+    """The same two methods as coroutines (``ql3.store_async.AsyncPgStore``): each runs as
+    a task of its own on the gateway's loop, bounded by the store's own timeouts."""
+
+    async def admit_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+    async def complete_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]: ...
 
 
 class PolicyRevision(Protocol):
@@ -447,6 +459,27 @@ async def _run_to_end(job: concurrent.futures.Future[Mapping[str, Any]]) -> _Fin
     return _Finished(None if error is not None else job.result(), error, cancelled)
 
 
+async def _task_to_end(task: asyncio.Future[Mapping[str, Any]]) -> _Finished:
+    """``_run_to_end`` for a store call running as a task of its own on this loop: a
+    cancellation of the caller only cancels the wait (``shield``), which starts over."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                cancelled = True  # only our wait was cancelled: the task runs on
+        except Exception:  # the call's own error, read from the task below
+            pass
+    if task.cancelled():  # not by us (loop shutdown): the outcome is unknown here
+        error: BaseException | None = errors.Unavailable(
+            "QL3_UNAVAILABLE: the store call was cancelled"
+        )
+        return _Finished(None, error, True)
+    error = task.exception()
+    return _Finished(None if error is not None else task.result(), error, cancelled)
+
+
 def _code(exc: BaseException) -> str:
     return exc.code if isinstance(exc, Ql3Error) else type(exc).__name__
 
@@ -461,7 +494,7 @@ class ModelGateway:
 
     def __init__(
         self,
-        store: InvocationStore,
+        store: InvocationStore | AsyncInvocationStore,
         policies: PolicySource,
         provider: ChatProvider,
         *,
@@ -489,10 +522,13 @@ class ModelGateway:
                 executor.shutdown(wait=False)
 
     def _store_call(
-        self, fn: Callable[[Mapping[str, Any]], Mapping[str, Any]], command: Mapping[str, Any]
+        self, fn: Callable[[Mapping[str, Any]], Any], command: Mapping[str, Any]
     ) -> Awaitable[_Finished]:
-        """Start a blocking store call in one of the gateway's threads (in the caller's
-        context, as ``asyncio.to_thread``) and wait for its end (``_run_to_end``)."""
+        """Start a store call, in the caller's context, and wait for its end: a coroutine
+        as a task of its own (``_task_to_end``), a blocking call in one of the gateway's
+        threads (as ``asyncio.to_thread``; ``_run_to_end``)."""
+        if inspect.iscoroutinefunction(fn):
+            return _task_to_end(asyncio.ensure_future(fn(command)))
         executor = self._executor
         if executor is None:
             executor = self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -925,6 +961,7 @@ class ModelStream:
 __all__ = [
     "GATEWAY_ERRORS",
     "POLICY_FAMILY",
+    "AsyncInvocationStore",
     "ChatProvider",
     "GatewayError",
     "GatewayHooks",

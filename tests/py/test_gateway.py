@@ -28,7 +28,7 @@ import pytest
 import redis.asyncio as aioredis
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from fix_provider import (  # noqa: F401  (provider, provider_b are fixtures)
     MODEL,
@@ -48,7 +48,6 @@ from ql3.db import Timeouts
 from ql3.devservers import free_port
 from ql3.gateway import (
     GatewayHooks,
-    InvocationStore,
     ModelAuditUnavailable,
     ModelCall,
     ModelDeadlineExceeded,
@@ -67,11 +66,13 @@ from ql3.providers import (
 )
 from ql3.relay import heartbeat_channel
 from ql3.store import PgStore
+from ql3.store_async import AsyncPgStore
 from ql3.stub_provider import StubProvider
 
 PROJECT = "acme"
 POLICY = "support-bot"
 GATEWAY_APP = "ql3-gateway-under-test"
+AnyStore = PgStore | AsyncPgStore
 MESSAGES = [{"role": "user", "content": "Tell me about the secret project Bluebird."}]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,6 +100,7 @@ class World:
     run_id: str
     step_run_id: str
     policy_revision_id: str
+    store_kind: str  # the gateway's store: "threads" (PgStore) or "asyncio" (AsyncPgStore)
 
     def call(self, **fields: Any) -> ModelCall:
         base = ModelCall(
@@ -174,8 +176,15 @@ class World:
             time.sleep(0.02)
 
 
-@pytest.fixture
-def world(db_dsn: str, redis_url: str, provider: StubProvider) -> Iterator[World]:  # noqa: F811
+@pytest.fixture(params=["threads", "asyncio"])
+def world(
+    request: pytest.FixtureRequest,
+    db_dsn: str,
+    redis_url: str,
+    provider: StubProvider,  # noqa: F811
+) -> Iterator[World]:
+    """Every gateway test runs over the blocking PgStore (store threads) and over the
+    asyncio AsyncPgStore (store calls as tasks): the same guarantees either way."""
     with PgStore(db_dsn) as ops:
         topology = topology_body([("stub-a", provider.base_url, [MODEL])])
         revision = ops.put_revision(
@@ -198,6 +207,7 @@ def world(db_dsn: str, redis_url: str, provider: StubProvider) -> Iterator[World
             run_id=run_id,
             step_run_id=ops.add_step_run(run_id, "model"),
             policy_revision_id=str(policy["revision_id"]),
+            store_kind=str(request.param),
         )
 
 
@@ -212,7 +222,7 @@ class Harness:
 async def harness(
     world: World,
     *,
-    store: InvocationStore | None = None,
+    store: AnyStore | None = None,
     timeouts: Timeouts | None = None,
     hooks: GatewayHooks | None = None,
     **cache_options: Any,
@@ -222,7 +232,7 @@ async def harness(
     await cache.start()
     own_store = None
     if store is None:
-        own_store = store = PgStore(world.runtime_dsn, timeouts=timeouts or Timeouts())
+        own_store = store = make_store(world, world.runtime_dsn, timeouts or Timeouts())
     adapter = OpenAICompatibleProvider(cache)
     gateway = ModelGateway(store, cache, adapter, hooks=hooks)
     try:
@@ -231,7 +241,21 @@ async def harness(
         await gateway.aclose()
         await cache.close()
         if own_store is not None:
-            await asyncio.to_thread(own_store.close)
+            await close_store(own_store)
+
+
+def make_store(world: World, dsn: str, timeouts: Timeouts | None = None) -> AnyStore:
+    """The gateway's store of the kind this world runs with."""
+    if world.store_kind == "asyncio":
+        return AsyncPgStore(dsn, timeouts=timeouts)
+    return PgStore(dsn, timeouts=timeouts)
+
+
+async def close_store(store: AnyStore) -> None:
+    if isinstance(store, AsyncPgStore):
+        await store.close()
+    else:
+        await asyncio.to_thread(store.close)
 
 
 async def wait_for_calls(stub: StubProvider, count: int) -> None:
@@ -326,21 +350,20 @@ def test_stream_yields_pieces_and_settles_succeeded(world: World) -> None:
 
 
 def test_unreachable_database_is_audit_unavailable_and_calls_no_provider(world: World) -> None:
-    closed = PgStore(
-        with_params(world.runtime_dsn, port=str(free_port())), timeouts=Timeouts(connect_s=1)
-    )
-
     async def scenario() -> None:
-        async with harness(world, store=closed) as h:
-            with pytest.raises(ModelAuditUnavailable) as caught:
-                await h.gateway.invoke(world.call())
+        closed = make_store(
+            world, with_params(world.runtime_dsn, port=str(free_port())), Timeouts(connect_s=1)
+        )
+        try:
+            async with harness(world, store=closed) as h:
+                with pytest.raises(ModelAuditUnavailable) as caught:
+                    await h.gateway.invoke(world.call())
+        finally:
+            await close_store(closed)
         assert caught.value.phase == "admission"
         assert caught.value.cause_code == "QL3_UNAVAILABLE"
 
-    try:
-        run(scenario())
-    finally:
-        closed.close()
+    run(scenario())
     assert world.provider.calls == 0
     assert world.starts() == 0
 
@@ -630,31 +653,40 @@ def test_lost_commit_response_is_audit_unavailable_then_existing_then_recovered_
     """The store's own pool is autocommit: the admission statement is its transaction, and
     its reply is the answer to its COMMIT. A pool of the caller's sends a real COMMIT."""
     call = world.call()
-    if pool == "store_autocommit":
-        proxied = PgStore(pg_proxy.dsn(world.runtime_dsn))
-        marker: bytes | None = b"admit_invocation"
-    else:
-        proxied = PgStore(ConnectionPool(pg_proxy.dsn(world.runtime_dsn), min_size=1, open=True))
-        marker = None
+    dsn = pg_proxy.dsn(world.runtime_dsn)
+    marker = b"admit_invocation" if pool == "store_autocommit" else None
     failure: list[ModelAuditUnavailable] = []
 
-    async def scenario() -> None:
-        async with harness(world, store=proxied) as h:
-            timed = due_in(call, 1.0)
-            pg_proxy.arm_commit_loss(marker)
-            with pytest.raises(ModelAuditUnavailable) as caught:
-                await h.gateway.invoke(timed)
-            failure.append(caught.value)
-            assert pg_proxy.commit_lost.is_set()
-            # The gateway's own durable recheck: the same call is now a replay.
-            with pytest.raises(ModelInvocationReplayBlocked):
-                await h.gateway.invoke(timed)
+    async def proxied_store() -> AnyStore:
+        if pool == "store_autocommit":
+            return make_store(world, dsn)
+        if world.store_kind == "asyncio":
+            async_pool = AsyncConnectionPool(dsn, min_size=1, open=False)
+            await async_pool.open()
+            return AsyncPgStore(async_pool)
+        return PgStore(ConnectionPool(dsn, min_size=1, open=True))
 
-    try:
-        run(scenario())
-    finally:
-        proxied.close()
-        proxied.pool.close()
+    async def scenario() -> None:
+        proxied = await proxied_store()
+        try:
+            async with harness(world, store=proxied) as h:
+                timed = due_in(call, 1.0)
+                pg_proxy.arm_commit_loss(marker)
+                with pytest.raises(ModelAuditUnavailable) as caught:
+                    await h.gateway.invoke(timed)
+                failure.append(caught.value)
+                assert pg_proxy.commit_lost.is_set()
+                # The gateway's own durable recheck: the same call is now a replay.
+                with pytest.raises(ModelInvocationReplayBlocked):
+                    await h.gateway.invoke(timed)
+        finally:
+            await close_store(proxied)
+            if isinstance(proxied.pool, AsyncConnectionPool):
+                await proxied.pool.close()
+            else:
+                proxied.pool.close()
+
+    run(scenario())
     [error] = failure
     assert (error.phase, error.cause_code) == ("admission", "QL3_UNAVAILABLE")
     assert world.provider.calls == 0

@@ -46,3 +46,5 @@ def test_with_options_without_any_given(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("PGOPTIONS", raising=False)
     assert db.with_options("host=h dbname=d", "-c a.b=1") == "-c a.b=1"
     assert db.with_options("host=h options='-c x.y=2'", "-c a.b=1") == "-c x.y=2 -c a.b=1"
+    url = "postgresql://u@h/d?options=-c%20x.y%3D3"
+    assert db.with_options(url, "-c a.b=1") == "-c x.y=3 -c a.b=1"

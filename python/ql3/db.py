@@ -7,6 +7,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -95,44 +96,37 @@ def connect(
 DEFERRED_NOTIFY_OPTION = "-c ql3.outbox_notify=deferred"
 
 
-def pool_kwargs(conninfo: str, timeouts: Timeouts | None = None) -> dict[str, object]:
-    """The connection arguments of ql3's pools: autocommit (every ql3 call is one
-    statement calling one SQL function, its own transaction: one round trip instead of
-    BEGIN, the call and COMMIT, D20), ql3's timeouts, and deferred outbox NOTIFYs."""
+def _pool_args(
+    conninfo: str, timeouts: Timeouts | None, min_size: int, max_size: int
+) -> dict[str, Any]:
+    """The arguments of ql3's pools, sync and asyncio alike. Connections are autocommit
+    (every ql3 call is one statement calling one SQL function, its own transaction: one
+    round trip instead of BEGIN, the call and COMMIT, D20), carry ql3's timeouts after the
+    caller's options, and defer outbox NOTIFYs (D17)."""
     t = timeouts or Timeouts()
     return {
-        "autocommit": True,
-        "connect_timeout": t.connect_s,
-        "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
+        "min_size": min_size,
+        "max_size": max_size,
+        "timeout": float(t.connect_s),
+        "kwargs": {
+            "autocommit": True,
+            "connect_timeout": t.connect_s,
+            "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
+        },
     }
 
 
 def make_pool(
     conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
 ) -> ConnectionPool:
-    """A connection pool whose connections carry ql3's timeouts and defer outbox NOTIFYs
-    (``pool_kwargs``)."""
-    t = timeouts or Timeouts()
-    return ConnectionPool(
-        conninfo,
-        min_size=min_size,
-        max_size=max_size,
-        kwargs=pool_kwargs(conninfo, t),
-        timeout=float(t.connect_s),
-        open=True,
-    )
+    """ql3's connection pool (``_pool_args``), open."""
+    return ConnectionPool(conninfo, open=True, **_pool_args(conninfo, timeouts, min_size, max_size))
 
 
 def make_async_pool(
     conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
 ) -> AsyncConnectionPool:
     """The asyncio twin of ``make_pool``, not opened yet (``await pool.open()`` in a loop)."""
-    t = timeouts or Timeouts()
     return AsyncConnectionPool(
-        conninfo,
-        min_size=min_size,
-        max_size=max_size,
-        kwargs=pool_kwargs(conninfo, t),
-        timeout=float(t.connect_s),
-        open=False,
+        conninfo, open=False, **_pool_args(conninfo, timeouts, min_size, max_size)
     )

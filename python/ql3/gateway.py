@@ -504,6 +504,8 @@ class ModelGateway:
         if store_threads < 1:
             raise ValueError("store_threads must be at least 1")
         self._store = store
+        # A coroutine store runs its calls as tasks; a blocking one in the store threads.
+        self._async_store = inspect.iscoroutinefunction(store.admit_invocation)
         self._policies = policies
         self._provider = provider
         self._hooks = hooks or GatewayHooks()
@@ -527,7 +529,7 @@ class ModelGateway:
         """Start a store call, in the caller's context, and wait for its end: a coroutine
         as a task of its own (``_task_to_end``), a blocking call in one of the gateway's
         threads (as ``asyncio.to_thread``; ``_run_to_end``)."""
-        if inspect.iscoroutinefunction(fn):
+        if self._async_store:
             return _task_to_end(asyncio.ensure_future(fn(command)))
         executor = self._executor
         if executor is None:

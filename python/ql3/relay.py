@@ -293,7 +293,7 @@ class RedisUnavailable(Exception):
 
 
 class _ListenerLost(Exception):
-    """The LISTEN connection's notification stream ended."""
+    """The LISTEN connection did not answer its liveness probe in time."""
 
 
 class Relay:
@@ -526,15 +526,12 @@ class Relay:
         self, conninfo: str, application_name: str, options: str = ""
     ) -> psycopg.AsyncConnection[tuple[Any, ...]]:
         """One autocommit relay connection; ``options`` go after the conninfo's own."""
-        extra: dict[str, Any] = {}
-        if options:
-            extra["options"] = with_options(conninfo, options)
         return await psycopg.AsyncConnection.connect(
             conninfo,
             autocommit=True,
             connect_timeout=5,
             application_name=application_name,
-            **extra,
+            options=with_options(conninfo, options),
         )
 
     async def _connect_pg(self) -> None:

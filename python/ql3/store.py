@@ -24,6 +24,16 @@ Row = dict[str, Any]
 _log = logging.getLogger("ql3.store")
 ContractKey = tuple[str, str, str]
 
+# The statements of the run and invocation calls, shared with ``ql3.store_async``.
+CREATE_RUN_SQL = "SELECT ql3.create_run(%s, %s, %s::uuid)"
+ADD_STEP_RUN_SQL = "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)"
+RECOVER_EXPIRED_SQL = "SELECT ql3_ai.recover_expired(%s, %s)"
+
+
+def command_sql(function: str) -> str:
+    """The call of one ``ql3_ai`` command function (admit, complete, resolve)."""
+    return f"SELECT ql3_ai.{function}(%s)"
+
 
 def _plain(row: Row | None) -> Row | None:
     """The row with uuids as strings, so results compare equal across stores."""
@@ -184,17 +194,11 @@ class PgStore:
 
     def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
         """Creates a run (idempotent on the same run_id and content); its run_id."""
-        return str(
-            self._value("SELECT ql3.create_run(%s, %s, %s::uuid)", (project_id, trace_id, run_id))
-        )
+        return str(self._value(CREATE_RUN_SQL, (project_id, trace_id, run_id)))
 
     def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
         """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
-        return str(
-            self._value(
-                "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)", (run_id, kind, step_run_id)
-            )
-        )
+        return str(self._value(ADD_STEP_RUN_SQL, (run_id, kind, step_run_id)))
 
     def step_run(self, step_run_id: str) -> Row | None:
         """The step row as it is now, or None."""
@@ -209,7 +213,7 @@ class PgStore:
     # -- model invocations (stream ql3_ai) ------------------------------------------------
 
     def _command(self, function: str, command: Mapping[str, Any]) -> Row:
-        result = self._value(f"SELECT ql3_ai.{function}(%s)", (Jsonb(dict(command)),))
+        result = self._value(command_sql(function), (Jsonb(dict(command)),))
         assert isinstance(result, dict)
         return result
 
@@ -227,9 +231,7 @@ class PgStore:
 
     def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
         """Settles expired starts without completion as lost: {"count", "recovered"}."""
-        result = self._value(
-            "SELECT ql3_ai.recover_expired(%s, %s)", (limit, timedelta(seconds=grace_seconds))
-        )
+        result = self._value(RECOVER_EXPIRED_SQL, (limit, timedelta(seconds=grace_seconds)))
         assert isinstance(result, dict)
         return result
 

@@ -8,7 +8,6 @@ autocommit like PgStore's: each call is one statement, one transaction, one roun
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -17,8 +16,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ql3.db import Timeouts, make_async_pool, translated
-
-Row = dict[str, Any]
+from ql3.store import ADD_STEP_RUN_SQL, CREATE_RUN_SQL, RECOVER_EXPIRED_SQL, Row, command_sql
 
 
 class AsyncPgStore:
@@ -43,15 +41,14 @@ class AsyncPgStore:
                 conninfo_or_pool, timeouts=timeouts, max_size=max_connections
             )
             self._owns_pool = True
-        self._opening = asyncio.Lock()
         self._opened = not self._owns_pool
 
     async def open(self) -> None:
-        """Open the store's own pool (its first call does it anyway)."""
-        async with self._opening:
-            if not self._opened:
-                await self.pool.open()
-                self._opened = True
+        """Open the store's own pool (its first call does it anyway; opening an open pool
+        is a no-op, so concurrent first calls are safe)."""
+        if not self._opened:
+            await self.pool.open()
+            self._opened = True
 
     async def close(self) -> None:
         if self._owns_pool:
@@ -74,7 +71,7 @@ class AsyncPgStore:
                 return None if found is None else found[0]
 
     async def _command(self, function: str, command: Mapping[str, Any]) -> Row:
-        result = await self._value(f"SELECT ql3_ai.{function}(%s)", (Jsonb(dict(command)),))
+        result = await self._value(command_sql(function), (Jsonb(dict(command)),))
         assert isinstance(result, dict)
         return result
 
@@ -82,17 +79,11 @@ class AsyncPgStore:
 
     async def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
         """Creates a run (idempotent on the same run_id and content); its run_id."""
-        value = await self._value(
-            "SELECT ql3.create_run(%s, %s, %s::uuid)", (project_id, trace_id, run_id)
-        )
-        return str(value)
+        return str(await self._value(CREATE_RUN_SQL, (project_id, trace_id, run_id)))
 
     async def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
         """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
-        value = await self._value(
-            "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)", (run_id, kind, step_run_id)
-        )
-        return str(value)
+        return str(await self._value(ADD_STEP_RUN_SQL, (run_id, kind, step_run_id)))
 
     # -- model invocations (stream ql3_ai) ------------------------------------------------
 
@@ -110,9 +101,7 @@ class AsyncPgStore:
 
     async def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
         """Settles expired starts without completion as lost: {"count", "recovered"}."""
-        result = await self._value(
-            "SELECT ql3_ai.recover_expired(%s, %s)", (limit, timedelta(seconds=grace_seconds))
-        )
+        result = await self._value(RECOVER_EXPIRED_SQL, (limit, timedelta(seconds=grace_seconds)))
         assert isinstance(result, dict)
         return result
 

@@ -199,11 +199,16 @@ class PgProxy:
             link.close()
 
 
+def proxy_for(dsn: str) -> PgProxy:
+    """A proxy in front of the server ``dsn`` names (close it when done)."""
+    params = conninfo_to_dict(dsn)
+    host = str(params.get("host") or "127.0.0.1")
+    return PgProxy("127.0.0.1" if host.startswith("/") else host, int(params.get("port") or 5432))
+
+
 @pytest.fixture
 def pg_proxy(db_dsn: str) -> Iterator[PgProxy]:
     """A proxy in front of the test database's server."""
-    params = conninfo_to_dict(db_dsn)
-    host = str(params.get("host") or "127.0.0.1")
-    proxy = PgProxy("127.0.0.1" if host.startswith("/") else host, int(params.get("port") or 5432))
+    proxy = proxy_for(db_dsn)
     yield proxy
     proxy.close()

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg_pool import ConnectionPool
 
 from fix_servers import role_dsn
 from ql3 import canonical, errors
@@ -184,9 +185,14 @@ def test_activation_wakes_the_relays_once_after_its_commit(store: PgStore, db_ds
     assert visible == (1,)
 
 
+@pytest.mark.parametrize("pool", ["own", "transactional"])
 def test_a_lost_wake_does_not_fail_a_committed_activation(
-    store: PgStore, db_dsn: str, caplog: pytest.LogCaptureFixture
+    store: PgStore, db_dsn: str, caplog: pytest.LogCaptureFixture, pool: str
 ) -> None:
+    """Also on a transactional pool of the caller's: the activation commits before the
+    wake, so a failing wake cannot take the activation down with its transaction."""
+    if pool == "transactional":
+        store = PgStore(ConnectionPool(role_dsn(db_dsn, "operator"), min_size=1, open=True))
     r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
     caplog.set_level(logging.WARNING, logger="ql3.store")  # other tests may raise root's level
     with psycopg.connect(db_dsn, autocommit=True) as admin:
@@ -199,3 +205,5 @@ def test_a_lost_wake_does_not_fail_a_committed_activation(
     assert store.active_revision("p1", FAMILY, "sre")["revision_id"] == r1["revision_id"]  # type: ignore[index]
     assert _count(db_dsn, "contract_outbox") == 1  # undelivered: the relay's poll finds it
     assert "wake_relays failed after COMMIT" in caplog.text
+    if pool == "transactional":
+        store.pool.close()

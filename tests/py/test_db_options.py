@@ -3,6 +3,9 @@ them: a DSN's ``options`` (``-c role=...``, a search_path) and PGOPTIONS keep wo
 
 from __future__ import annotations
 
+from typing import Any
+
+import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
@@ -10,9 +13,9 @@ from ql3 import db
 from ql3.store import PgStore
 
 
-def _settings(conn: object, *names: str) -> list[str]:
-    execute = conn.execute  # type: ignore[attr-defined]
-    return [execute(f"SHOW {name}").fetchone()[0] for name in names]
+def _settings(conn: psycopg.Connection[Any], *names: str) -> list[str]:
+    rows = [conn.execute(f"SHOW {name}").fetchone() for name in names]
+    return [str(row[0]) for row in rows if row is not None]
 
 
 def test_store_pool_keeps_the_dsn_options_and_adds_its_own(db_dsn: str) -> None:

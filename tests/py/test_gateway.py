@@ -46,6 +46,7 @@ from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixtur
 from ql3.cache import RevisionCache
 from ql3.db import Timeouts
 from ql3.devservers import free_port
+from ql3.errors import Unavailable
 from ql3.gateway import (
     GatewayHooks,
     ModelAuditUnavailable,
@@ -55,6 +56,7 @@ from ql3.gateway import (
     ModelInvocationReplayBlocked,
     ModelOutcomeUnknown,
     ModelProviderFailed,
+    _task_to_end,
     deadline_in,
 )
 from ql3.providers import (
@@ -697,6 +699,22 @@ def test_lost_commit_response_is_audit_unavailable_then_existing_then_recovered_
     completion = world.assert_settled(call.invocation_id, "lost", "outcome_unknown")
     assert completion["recovered"] is True
     assert world.provider.calls == 0
+
+
+def test_an_asyncio_store_call_cancelled_from_outside_is_an_unavailable_call() -> None:
+    """asyncio.run cancels every task at shutdown, the gateway's store-call tasks too: the
+    wait then reports an unknown store outcome (and a cancellation), never a value."""
+
+    async def scenario() -> None:
+        call: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(_task_to_end(call))
+        await asyncio.sleep(0)
+        call.cancel()
+        done = await waiting
+        assert isinstance(done.error, Unavailable)
+        assert (done.value, done.cancelled) == (None, True)
+
+    run(scenario())
 
 
 # -- topology ---------------------------------------------------------------------------------

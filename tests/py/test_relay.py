@@ -35,7 +35,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from fix_tcp_proxy import PgProxy
+from fix_tcp_proxy import proxy_for
 from ql3 import devservers
 from ql3.logs import JsonLogFormatter
 from ql3.migrate import migrate
@@ -783,8 +783,7 @@ def test_losing_the_listen_connection_mid_batch_neither_aborts_nor_redoes_the_ba
 def test_a_silently_cut_listen_connection_fails_its_probe_and_is_opened_again(
     db: str, redis_url: str, prefix: str
 ) -> None:
-    params = conninfo_to_dict(db)
-    proxy = PgProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    proxy = proxy_for(db)
 
     async def scenario() -> None:
         relay_config = config(

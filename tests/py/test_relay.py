@@ -389,6 +389,8 @@ def test_without_a_listen_connection_the_poll_delivers_and_health_says_not_liste
             try:
                 event = await activate(conn, "p", "c", {"n": 0})
                 await until(lambda: sub.seqs() == {event["seq"]}, 5, "the polled event")
+                # The subscriber can hear the event before the batch's COMMIT ends the cycle.
+                await until(lambda: relay.health()["status"] == "ok", 5, "a finished cycle")
                 health = relay.health()
                 assert (health["status"], health["listening"]) == ("ok", False)
                 assert sample(relay, "ql3_relay_listening") == 0

@@ -49,6 +49,30 @@ def _null_row(row: Row | None) -> Row | None:
     return _plain(row)
 
 
+def _call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> Row | None:
+    """One pipeline on an autocommit connection: BEGIN, the call, COMMIT, then
+    ``ql3.wake_relays()`` in a transaction of its own (D25); the call's first row.
+
+    A failed call skips the rest of the pipeline (no COMMIT, no wake); its aborted
+    transaction is rolled back as the error leaves the pool's connection block. A failed
+    wake after a COMMIT that succeeded is logged and the committed row returned. The wake
+    is sent even when the call changes nothing: the relays then find nothing to claim.
+    """
+    call = conn.cursor(row_factory=dict_row)
+    commit = None
+    try:
+        with conn.pipeline():
+            conn.execute("BEGIN")
+            call.execute(sql, params)
+            commit = conn.execute("COMMIT")
+            conn.execute("SELECT ql3.wake_relays()")
+    except psycopg.Error as exc:
+        if commit is None or commit.statusmessage != "COMMIT":
+            raise
+        _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
+    return call.fetchone()
+
+
 class PgStore:
     """The ql3 store on PostgreSQL. Pass a conninfo string or an open ConnectionPool.
 
@@ -138,19 +162,22 @@ class PgStore:
         )
 
     def _outbox_write(self, sql: str, params: Sequence[Any]) -> Row | None:
-        """Runs a call that may append an outbox row, then wakes the relays (D17).
+        """Runs a call that may append an outbox row, then wakes the relays (D17, D25).
 
         PgStore's own connections set ``ql3.outbox_notify = deferred``, so the call's COMMIT
         does not hold PostgreSQL's notification lock through the WAL flush; once it has
-        committed, ``ql3.wake_relays()`` wakes the relays in a transaction of its own. A lost
-        wake (the connection drops in between) costs latency only: the relays' poll
-        delivers the row. On a pool of your own without that setting, the outbox trigger
-        NOTIFYs at COMMIT as well, which is correct, only slower under concurrency.
+        committed, ``ql3.wake_relays()`` wakes the relays in a transaction of its own. On an
+        autocommit connection both go in one pipeline (BEGIN, the call, COMMIT, the wake:
+        one round trip, two transactions). A lost wake (the connection drops in between)
+        costs latency only: the relays' poll delivers the row. On a pool of your own
+        without that setting, the outbox trigger NOTIFYs at COMMIT as well, which is
+        correct, only slower under concurrency.
         """
         with translated(), self.pool.connection() as conn:
+            if conn.autocommit:
+                return _null_row(_call_then_wake(conn, sql, params))
             event = _null_row(next(iter(self._rows_on(conn, sql, params)), None))
-            if not conn.autocommit:
-                conn.commit()  # a pool passed in: the wake must follow the COMMIT
+            conn.commit()  # a transactional pool passed in: the wake must follow the COMMIT
             if event is not None:
                 try:
                     conn.execute("SELECT ql3.wake_relays()")

@@ -65,14 +65,41 @@ COMMENT ON COLUMN ql3.active_revisions.last_revision_no IS
 'Highest revision_no stored for the contract. put_revision bumps it, so concurrent puts '
 'under REPEATABLE READ fail with a serialization error instead of a duplicate number.';
 
+-- A version 7 uuid (RFC 9562): 48 bits of Unix milliseconds, the version and variant bits,
+-- and 74 random bits. Outbox event_ids are drawn from it so that their unique index grows at
+-- its right edge: a random (version 4) key dirtied a random leaf page per activation, and
+-- after each checkpoint wrote a full-page image of it (D25). SQL, without a SET clause, so
+-- that the planner inlines it into the column default; every name is schema-qualified and
+-- every operator has an exact pg_catalog match (numeric * numeric), so no search_path can
+-- substitute its own.
+CREATE FUNCTION ql3._uuid_v7() RETURNS uuid
+LANGUAGE sql VOLATILE PARALLEL SAFE
+AS $$
+    SELECT pg_catalog.encode(
+        pg_catalog.set_bit(pg_catalog.set_bit(
+            overlay(
+                pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
+                PLACING substring(
+                    pg_catalog.int8send(
+                        pg_catalog.floor(extract(EPOCH FROM pg_catalog.clock_timestamp()) * 1000.0)::bigint
+                    ) FROM 3
+                ) FROM 1 FOR 6
+            ), 52, 1), 53, 1),  -- version 4 (0100) becomes 7 (0111); the variant stays 10
+        'hex'
+    )::uuid
+$$;
+
+COMMENT ON FUNCTION ql3._uuid_v7() IS
+'A time-ordered version 7 uuid (RFC 9562): Unix milliseconds, then random bits.';
+
 CREATE TABLE ql3.contract_outbox (
     seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    event_id uuid NOT NULL UNIQUE DEFAULT gen_random_uuid(),
+    event_id uuid NOT NULL UNIQUE DEFAULT ql3._uuid_v7(),
     event_type text NOT NULL CHECK (event_type IN ('revision_activated', 'revision_revoked')),
     project_id text NOT NULL,
     contract_family text NOT NULL,
     contract_id text NOT NULL,
-    old_revision_id uuid REFERENCES ql3.contract_revisions (revision_id),
+    old_revision_id uuid,  -- no FK: it was the pointer's revision, which has one (D25)
     new_revision_id uuid NOT NULL REFERENCES ql3.contract_revisions (revision_id),
     pointer_version bigint NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
@@ -629,7 +656,7 @@ GRANT EXECUTE ON FUNCTION ql3.put_revision(text, text, text, jsonb, text),
 ql3.activate_revision(text, text, text, uuid, text, uuid), ql3.revoke_revision(uuid, text, text),
 ql3.active_revision(text, text, text), ql3.active_pointers(jsonb), ql3.outbox_backlog(),
 ql3._check_identifier(text, text), ql3._check_family(text), ql3._lock_pointer(text, text, text, text),
-ql3._revision_of(uuid), ql3.wake_relays()
+ql3._revision_of(uuid), ql3.wake_relays(), ql3._uuid_v7()
 TO ql3_operator;
 
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,

@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import sqlite3
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -629,6 +630,22 @@ def test_recovery_settles_the_same_starts_in_the_same_order(store: Store) -> Non
         "lost",
         "lost",
     ]
+
+
+def test_outbox_event_ids_are_time_ordered_version_7_uuids(store: Store) -> None:
+    """D25: every store draws event_ids from uuid v7, whose first 48 bits are Unix ms."""
+    one = store.put_revision("p", FAMILY, "v7", {"n": 1}, "alice")
+    two = store.put_revision("p", FAMILY, "v7", {"n": 2}, "alice")
+    before = time.time_ns() // 1_000_000
+    first = store.activate_revision("p", FAMILY, "v7", one["revision_id"], "alice")
+    time.sleep(0.003)
+    second = store.activate_revision("p", FAMILY, "v7", two["revision_id"], "alice")
+    after = time.time_ns() // 1_000_000
+    assert first is not None and second is not None
+    ids = [uuid.UUID(str(e["event_id"])) for e in (first, second)]
+    assert [(u.version, u.variant) for u in ids] == [(7, uuid.RFC_4122)] * 2
+    assert before - 1 <= ids[0].int >> 80 < ids[1].int >> 80 <= after + 1
+    assert ids[0] < ids[1]
 
 
 def test_contract_lifecycle_gives_the_same_versions_and_events(store: Store) -> None:

@@ -2,7 +2,7 @@
 -- (SPEC 3, 6): pointer swaps with their outbox rows, compare-and-set, revocation, and
 -- atomicity (a failure anywhere leaves pointer, revocations and outbox untouched).
 BEGIN;
-SELECT plan(86);
+SELECT plan(91);
 SET LOCAL client_min_messages = warning;
 
 CREATE SCHEMA IF NOT EXISTS tests;
@@ -155,6 +155,48 @@ SELECT ok(
     (tests.ev('a2')).seq > (tests.ev('a1')).seq AND (tests.ev('a2')).event_id <> (tests.ev('a1')).event_id,
     'each event has a higher seq and its own event_id'
 );
+
+-- event_ids are version 7 uuids (D25): Unix milliseconds first, so they are time-ordered.
+CREATE FUNCTION tests.uuid_ms(u uuid) RETURNS bigint
+LANGUAGE sql AS $$ SELECT ('x' || left(replace(u::text, '-', ''), 12))::bit(48)::bigint $$;
+
+CREATE FUNCTION tests.v7_later_after_sleep() RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    first uuid := ql3._uuid_v7();
+BEGIN
+    PERFORM pg_sleep(0.002);
+    RETURN ql3._uuid_v7() > first;
+END;
+$$;
+
+SELECT ok(
+    substr((tests.ev('a1')).event_id::text, 15, 1) = '7'
+    AND substr((tests.ev('a2')).event_id::text, 15, 1) = '7',
+    'outbox event_ids are version 7 uuids'
+);
+
+SELECT ok(
+    tests.uuid_ms((tests.ev('a2')).event_id)
+    BETWEEN (extract(EPOCH FROM now()) * 1000)::bigint - 1
+    AND (extract(EPOCH FROM clock_timestamp()) * 1000)::bigint + 1,
+    'an event_id starts with the Unix milliseconds of its insertion'
+);
+
+SELECT is(
+    (SELECT count(*) FILTER (WHERE substr(u::text, 15, 1) = '7' AND substr(u::text, 20, 1) IN ('8', '9', 'a', 'b'))
+     FROM (SELECT ql3._uuid_v7() AS u FROM generate_series(1, 1000)) AS g),
+    1000::bigint,
+    'ql3._uuid_v7() gives version 7, variant 10 uuids'
+);
+
+SELECT is(
+    (SELECT count(DISTINCT u) FROM (SELECT ql3._uuid_v7() AS u FROM generate_series(1, 1000)) AS g),
+    1000::bigint,
+    '1000 ql3._uuid_v7() values in one millisecond or so are distinct'
+);
+
+SELECT ok(tests.v7_later_after_sleep(), 'a uuid_v7 drawn 2 ms later sorts after the earlier one');
 
 SELECT tests.snap('before no-op');
 

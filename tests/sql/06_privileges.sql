@@ -5,7 +5,7 @@
 -- (runs, step_runs, ...) get their own privilege file; the schema-wide checks at the end
 -- (no PUBLIC execute, no SECURITY DEFINER, pinned search_path, ownership) cover them too.
 BEGIN;
-SELECT plan(190);
+SELECT plan(194);
 SET LOCAL client_min_messages = warning;
 
 \ir lib/privilege_helpers.sql
@@ -124,7 +124,9 @@ FROM (VALUES
     (16, 'wake_relays', '{}', '{ql3_operator}'),
     -- A helper of put_revision and activate_revision only: no runtime-callable function
     -- checks a family against ql3.contract_families, so the runtime has no EXECUTE on it.
-    (17, '_check_family', '{text}', '{ql3_operator}')
+    (17, '_check_family', '{text}', '{ql3_operator}'),
+    -- The outbox's event_id default: whoever may insert an outbox row must be able to run it.
+    (18, '_uuid_v7', '{}', '{ql3_operator}')
 ) AS f (ord, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader')

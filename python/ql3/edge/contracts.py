@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from ql3 import canonical, errors
 from ql3.edge.checks import check_identifier, checked_digest, invalid, json_type
-from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain
+from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain, uuid_v7
 
 BODY_DOMAIN = canonical.BODY_DOMAIN
 
@@ -115,7 +115,7 @@ def _outbox(
 ) -> Row:
     row = tx.one(
         _OUTBOX_INSERT,
-        (new_uuid(), event_type, *key, old_revision_id, new_revision_id, pointer_version,
+        (uuid_v7(), event_type, *key, old_revision_id, new_revision_id, pointer_version,
          tx.now_text),
     )  # fmt: skip
     tx.outbox_rows += 1

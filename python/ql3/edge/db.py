@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -77,6 +79,14 @@ def system_clock() -> datetime:
 
 def new_uuid() -> str:
     return str(uuid.uuid4())
+
+
+def uuid_v7() -> str:
+    """``ql3._uuid_v7()``: Unix milliseconds, version 7, variant 10, random bits (RFC 9562)."""
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    value = value & ~(0xF << 76) | 0x7 << 76
+    value = value & ~(0x3 << 62) | 0x2 << 62
+    return str(uuid.UUID(int=value))
 
 
 def parse_uuid(value: object) -> str | None:

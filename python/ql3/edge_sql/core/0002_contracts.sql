@@ -62,7 +62,7 @@ CREATE TABLE contract_outbox (
     project_id TEXT NOT NULL,
     contract_family TEXT NOT NULL,
     contract_id TEXT NOT NULL,
-    old_revision_id TEXT REFERENCES contract_revisions (revision_id),
+    old_revision_id TEXT,  -- no FK, as on PostgreSQL (D25)
     new_revision_id TEXT NOT NULL REFERENCES contract_revisions (revision_id),
     pointer_version INTEGER NOT NULL,
     created_at TEXT NOT NULL,

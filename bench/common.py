@@ -137,16 +137,23 @@ _TPS = re.compile(r"tps = ([0-9.]+) \(without initial connection time\)")
 
 
 def pgbench(
-    dsn: str, script: str, *, clients: int, seconds: int, protocol: str = "prepared"
+    dsn: str,
+    script: str,
+    *,
+    clients: int,
+    seconds: int,
+    protocol: str = "prepared",
+    defines: Sequence[str] = (),
 ) -> PgbenchRun:
-    """Runs ``pgbench -n -M protocol -f script -c C -j C -T secs`` and parses its report."""
+    """Runs ``pgbench -n -M protocol [-D name=value ...] -f script -c C -j C -T secs`` and
+    parses its report."""
     binary = PG_BIN / "pgbench"
     with tempfile.NamedTemporaryFile("w", suffix=".sql", prefix="ql3-bench-") as f:
         f.write(script)
         f.flush()
         done = subprocess.run(
-            [str(binary), "-n", "-M", protocol, "-f", f.name,
-             "-c", str(clients), "-j", str(clients), "-T", str(seconds), dsn],
+            [str(binary), "-n", "-M", protocol, *(a for d in defines for a in ("-D", d)),
+             "-f", f.name, "-c", str(clients), "-j", str(clients), "-T", str(seconds), dsn],
             capture_output=True,
             text=True,
             check=False,

@@ -16,6 +16,8 @@ the WAL flush, so those commits cannot share a group commit (D16).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import psycopg
 from psycopg.conninfo import make_conninfo
 
@@ -112,31 +114,16 @@ def _reset_pointers(dsn: str) -> None:
 
 
 def _activations(
-    dsn: str,
-    script: str,
-    clients: int,
-    seconds: int,
-    *,
-    connect: str | None = None,
-    reset: bool = True,
+    dsn: str, script: str, clients: int, seconds: int, *, connect: str | None = None
 ) -> PgbenchRun:
     """A run of a flipping activation script, which starts from rev1 active."""
-    if reset:
-        _reset_pointers(dsn)
     return pgbench(connect or dsn, script, clients=clients, seconds=seconds, defines=["flip=0"])
 
 
-def _measured(
-    dsn: str, script: str, table: str, clients: int, seconds: int, *, connect: str | None = None
-) -> PgbenchRun:
-    """One pgbench run; raises unless every transaction wrote exactly one row."""
-    if table == "bench_insert":
-        before = _count(dsn, f"SELECT count(*) FROM {table}")
-        run = pgbench(dsn, script, clients=clients, seconds=seconds)
-    else:
-        _reset_pointers(dsn)
-        before = _count(dsn, f"SELECT count(*) FROM {table}")
-        run = _activations(dsn, script, clients, seconds, connect=connect, reset=False)
+def _measured(dsn: str, table: str, runner: Callable[[], PgbenchRun]) -> PgbenchRun:
+    """One pgbench run; raises unless every transaction wrote exactly one row to table."""
+    before = _count(dsn, f"SELECT count(*) FROM {table}")
+    run = runner()
     written = _count(dsn, f"SELECT count(*) FROM {table}") - before
     if run.failed or written != run.transactions:
         raise RuntimeError(
@@ -148,13 +135,31 @@ def _measured(
 
 def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list[PgbenchRun]]:
     """``rounds`` runs of each side back to back, the order reversed every other round, so
-    that a drift in the machine's speed reaches every side alike."""
+    that a drift in the machine's speed reaches every side alike. Every activation run
+    starts from rev1 active (its reset writes outbox rows before the count is taken)."""
+
+    def insert() -> PgbenchRun:
+        return _measured(
+            dsn,
+            "bench_insert",
+            lambda: pgbench(dsn, INSERT_SCRIPT, clients=clients, seconds=seconds),
+        )
+
+    def activations(script: str, connect: str | None = None) -> Callable[[], PgbenchRun]:
+        def side() -> PgbenchRun:
+            _reset_pointers(dsn)
+            return _measured(
+                dsn,
+                "ql3.contract_outbox",
+                lambda: _activations(dsn, script, clients, seconds, connect=connect),
+            )
+
+        return side
+
     sides = {
-        "insert": lambda: _measured(dsn, INSERT_SCRIPT, "bench_insert", clients, seconds),
-        "driver": lambda: _measured(
-            dsn, DRIVER_SCRIPT, "ql3.contract_outbox", clients, seconds, connect=driver_dsn(dsn)
-        ),
-        "plain": lambda: _measured(dsn, ACTIVATE_SCRIPT, "ql3.contract_outbox", clients, seconds),
+        "insert": insert,
+        "driver": activations(DRIVER_SCRIPT, driver_dsn(dsn)),
+        "plain": activations(ACTIVATE_SCRIPT),
     }
     runs: dict[str, list[PgbenchRun]] = {name: [] for name in sides}
     for n in range(rounds):
@@ -176,8 +181,9 @@ def run(settings: Settings) -> Result:
         for clients in CLIENT_COUNTS:
             # Warm every path (plans, buffers) before the measured runs.
             pgbench(dsn, INSERT_SCRIPT, clients=clients, seconds=1)
-            _activations(dsn, DRIVER_SCRIPT, clients, 1, connect=driver_dsn(dsn))
-            _activations(dsn, ACTIVATE_SCRIPT, clients, 1)
+            for script, connect in ((DRIVER_SCRIPT, driver_dsn(dsn)), (ACTIVATE_SCRIPT, None)):
+                _reset_pointers(dsn)
+                _activations(dsn, script, clients, 1, connect=connect)
             runs = _rounds(dsn, clients, rounds, seconds)
             insert_tps = median([r.tps for r in runs["insert"]])
             key = f"{clients}_clients"

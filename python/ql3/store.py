@@ -28,6 +28,7 @@ ContractKey = tuple[str, str, str]
 CREATE_RUN_SQL = "SELECT ql3.create_run(%s, %s, %s::uuid)"
 ADD_STEP_RUN_SQL = "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)"
 RECOVER_EXPIRED_SQL = "SELECT ql3_ai.recover_expired(%s, %s)"
+_WAKE_SQL = "SELECT ql3.wake_relays()"
 
 
 def command_sql(function: str) -> str:
@@ -58,19 +59,23 @@ def _call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> R
     wake after a COMMIT that succeeded is logged and the committed row returned. The wake
     is sent even when the call changes nothing: the relays then find nothing to claim.
     """
-    call = conn.cursor(row_factory=dict_row)
-    commit = None
-    try:
-        with conn.pipeline():
-            conn.execute("BEGIN")
-            call.execute(sql, params)
-            commit = conn.execute("COMMIT")
-            conn.execute("SELECT ql3.wake_relays()")
-    except psycopg.Error as exc:
-        if commit is None or commit.statusmessage != "COMMIT":
-            raise
-        _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
-    return call.fetchone()
+    with conn.cursor(row_factory=dict_row) as call:
+        commit = None
+        try:
+            with conn.pipeline():
+                conn.execute("BEGIN")
+                call.execute(sql, params)
+                commit = conn.execute("COMMIT")
+                conn.execute(_WAKE_SQL)
+        except psycopg.Error as exc:
+            if commit is None or commit.statusmessage != "COMMIT":
+                raise  # the call failed, or its COMMIT's outcome is unknown
+            _wake_failed(exc)
+        return call.fetchone()
+
+
+def _wake_failed(exc: psycopg.Error) -> None:
+    _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
 
 
 class PgStore:
@@ -180,9 +185,9 @@ class PgStore:
             conn.commit()  # a transactional pool passed in: the wake must follow the COMMIT
             if event is not None:
                 try:
-                    conn.execute("SELECT ql3.wake_relays()")
+                    conn.execute(_WAKE_SQL)
                 except psycopg.Error as exc:
-                    _log.warning("wake_relays failed after COMMIT (the poll delivers): %s", exc)
+                    _wake_failed(exc)
         return event
 
     def active_revision(

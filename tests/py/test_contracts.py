@@ -10,6 +10,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from fix_servers import role_dsn
+from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
 from ql3 import canonical, errors
 from ql3.store import PgStore
 
@@ -210,3 +211,21 @@ def test_a_lost_wake_does_not_fail_a_committed_activation(
     assert "wake_relays failed after COMMIT" in caplog.text
     if pool == "transactional":
         store.pool.close()
+
+
+def test_a_lost_reply_to_the_pipelined_commit_is_unavailable_and_the_activation_stands(
+    store: PgStore,
+    db_dsn: str,
+    pg_proxy: PgProxy,  # noqa: F811
+) -> None:
+    """The proxy forwards the pipeline's COMMIT and drops the connection instead of its
+    answer: the outcome is unknown, so the call raises (it must not report a wake failure
+    after a COMMIT it never saw), and the activation is committed all the same."""
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    with PgStore(pg_proxy.dsn(role_dsn(db_dsn, "operator"))) as proxied:
+        pg_proxy.arm_commit_loss()
+        with pytest.raises(errors.Unavailable):
+            proxied.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+        assert pg_proxy.commit_lost.is_set()
+    assert store.active_revision("p1", FAMILY, "sre")["revision_id"] == r1["revision_id"]  # type: ignore[index]
+    assert store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice") is None

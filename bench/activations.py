@@ -133,33 +133,32 @@ def _measured(dsn: str, table: str, runner: Callable[[], PgbenchRun]) -> Pgbench
     return run
 
 
+def _measured_activations(
+    dsn: str, script: str, clients: int, seconds: int, connect: str | None = None
+) -> PgbenchRun:
+    """A checked activation run from rev1 active (the reset's outbox rows are written
+    before ``_measured`` counts)."""
+    _reset_pointers(dsn)
+    return _measured(
+        dsn,
+        "ql3.contract_outbox",
+        lambda: _activations(dsn, script, clients, seconds, connect=connect),
+    )
+
+
 def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list[PgbenchRun]]:
     """``rounds`` runs of each side back to back, the order reversed every other round, so
-    that a drift in the machine's speed reaches every side alike. Every activation run
-    starts from rev1 active (its reset writes outbox rows before the count is taken)."""
-
-    def insert() -> PgbenchRun:
-        return _measured(
+    that a drift in the machine's speed reaches every side alike."""
+    sides: dict[str, Callable[[], PgbenchRun]] = {
+        "insert": lambda: _measured(
             dsn,
             "bench_insert",
             lambda: pgbench(dsn, INSERT_SCRIPT, clients=clients, seconds=seconds),
-        )
-
-    def activations(script: str, connect: str | None = None) -> Callable[[], PgbenchRun]:
-        def side() -> PgbenchRun:
-            _reset_pointers(dsn)
-            return _measured(
-                dsn,
-                "ql3.contract_outbox",
-                lambda: _activations(dsn, script, clients, seconds, connect=connect),
-            )
-
-        return side
-
-    sides = {
-        "insert": insert,
-        "driver": activations(DRIVER_SCRIPT, driver_dsn(dsn)),
-        "plain": activations(ACTIVATE_SCRIPT),
+        ),
+        "driver": lambda: _measured_activations(
+            dsn, DRIVER_SCRIPT, clients, seconds, driver_dsn(dsn)
+        ),
+        "plain": lambda: _measured_activations(dsn, ACTIVATE_SCRIPT, clients, seconds),
     }
     runs: dict[str, list[PgbenchRun]] = {name: [] for name in sides}
     for n in range(rounds):

@@ -29,6 +29,7 @@ from bench.common import (
     Result,
     Row,
     Settings,
+    alternating,
     contract_pair,
     fresh_database,
     median,
@@ -147,8 +148,7 @@ def _measured_activations(
 
 
 def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list[PgbenchRun]]:
-    """``rounds`` runs of each side back to back, the order reversed every other round, so
-    that a drift in the machine's speed reaches every side alike."""
+    """``rounds`` checked runs of each side, alternating (``bench.common.alternating``)."""
     sides: dict[str, Callable[[], PgbenchRun]] = {
         "insert": lambda: _measured(
             dsn,
@@ -160,11 +160,7 @@ def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list
         ),
         "plain": lambda: _measured_activations(dsn, ACTIVATE_SCRIPT, clients, seconds),
     }
-    runs: dict[str, list[PgbenchRun]] = {name: [] for name in sides}
-    for n in range(rounds):
-        for name in list(sides) if n % 2 == 0 else list(reversed(sides)):
-            runs[name].append(sides[name]())
-    return runs
+    return alternating(sides, rounds)
 
 
 def run(settings: Settings) -> Result:

@@ -13,11 +13,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import psycopg
 import redis
@@ -109,6 +109,19 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return percentile(values, 50.0)
+
+
+T = TypeVar("T")
+
+
+def alternating(sides: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """``rounds`` runs of every side back to back, the order reversed every other round, so
+    that a drift in the machine's speed reaches every side alike."""
+    runs: dict[str, list[T]] = {name: [] for name in sides}
+    for n in range(rounds):
+        for name in list(sides) if n % 2 == 0 else list(reversed(sides)):
+            runs[name].append(sides[name]())
+    return runs
 
 
 def ms(seconds: float) -> float:

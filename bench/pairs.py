@@ -6,11 +6,14 @@ beforehand by ``bench_prepare`` outside the timed window, then
 ``ql3_ai.complete_invocation`` of it (succeeded, with usage, so a usage_ledger row is
 written too). pairs/s = pgbench's tps. The pairs run as ``ql3_runtime`` (PGOPTIONS
 ``-c role=ql3_runtime``). The baseline is pgbench's built-in tpcb-like in its own database
-(``pgbench -i -s 8``). Both sides: ``pgbench -M prepared -c C -j C -T S``.
+(``pgbench -i -s 8``). Both sides: ``pgbench -M prepared -c C -j C -T S``, in rounds
+with the sides back to back and the order reversed every other round; the ratio is
+the median of the per-round ratios (one 10-second run per side moved it by about 0.03).
 
-The peer comparison (issue 4): DBOS Transact at the same client counts in the same run,
-one workflow with one step per model call, its system database on the same server
-(``bench.dbos_pairs``); reported as "not measured: <reason>" when DBOS cannot run here.
+The peer comparison (issue 4): DBOS Transact at the same client counts, a third side of
+every round, one workflow with one step per model call, its system database on the same
+server (``bench.dbos_pairs``); reported as "not measured: <reason>" when DBOS cannot run
+here.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
@@ -31,7 +36,9 @@ from bench.common import (
     Result,
     Row,
     Settings,
+    alternating,
     fresh_database,
+    median,
     ratio,
     verdict,
     with_dbname,
@@ -42,6 +49,8 @@ TARGET_RATIO = 0.4
 TARGET_DBOS_RATIO = 4.0
 TARGET_CLIENTS = 8
 CLIENT_COUNTS = (1, 8)
+ROUNDS = 5
+ROUND_SECONDS = 4
 RUNTIME_ENV = {"PGOPTIONS": "-c role=ql3_runtime"}
 
 PAIR_SCRIPT = """\
@@ -174,16 +183,76 @@ class _Pairs:
         return run
 
 
+@dataclass(frozen=True)
+class _Sample:
+    """One side's run in a round: its rate and the units it completed."""
+
+    per_s: float
+    count: int
+
+
+class _Dbos:
+    """The DBOS side: one run per round, until one cannot be measured (``reason`` says why;
+    then every later round skips it)."""
+
+    def __init__(self, base_dsn: str) -> None:
+        self.base_dsn = base_dsn
+        self.reason: str | None = dbos_pairs.available()
+
+    def run(self, clients: int, seconds: int) -> _Sample | None:
+        if self.reason is not None:
+            return None
+        try:
+            done = dbos_pairs.measure(self.base_dsn, [clients], seconds)[clients]
+        except dbos_pairs.NotMeasured as exc:
+            self.reason = str(exc)
+            return None
+        return _Sample(done.per_s, done.workflows)
+
+
+def _rounds(
+    pairs: _Pairs,
+    tpcb_dsn: str,
+    dbos: _Dbos,
+    clients: int,
+    rounds: int,
+    seconds: int,
+    per_client: int,
+) -> dict[str, list[_Sample | None]]:
+    """``rounds`` runs of each side, alternating (``bench.common.alternating``)."""
+
+    def tpcb() -> _Sample:
+        done = _pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=seconds)
+        return _Sample(done.tps, done.transactions)
+
+    def pair() -> _Sample:
+        done = pairs.run(clients, seconds, per_client)
+        return _Sample(done.tps, done.transactions)
+
+    sides: dict[str, Callable[[], _Sample | None]] = {
+        "tpcb": tpcb,
+        "pairs": pair,
+        "dbos": lambda: dbos.run(clients, seconds),
+    }
+    return alternating(sides, rounds)
+
+
+def _measured(samples: list[_Sample | None]) -> list[_Sample] | None:
+    """The samples of a side, or None if any round could not measure it."""
+    done = [s for s in samples if s is not None]
+    return done if len(done) == len(samples) else None
+
+
 def run(settings: Settings) -> Result:
-    seconds = 2 if settings.quick else 10
-    figures: dict[str, float] = {}
+    rounds, seconds = (1, 2) if settings.quick else (ROUNDS, ROUND_SECONDS)
+    figures: dict[str, Any] = {}
     baseline: dict[str, float] = {}
     ratios: dict[str, float] = {}
     checks: dict[str, int] = {}
     rows: list[Row] = []
     passed: bool | None = None
     dbos_passed: bool | None = None
-    dbos_reason: str | None = dbos_pairs.available()
+    dbos = _Dbos(settings.base_dsn)
     tpcb_db = f"bench_tpcb_{os.getpid()}"
     with (
         fresh_database(settings.base_dsn, "pairs") as dsn,
@@ -208,14 +277,22 @@ def run(settings: Settings) -> Result:
                 warm = pairs.run(clients, 1, 5000)
                 _pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=1)
                 per_client = math.ceil(warm.tps / clients * seconds * 3) + 1000
-                tpcb = _pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=seconds)
-                pair = pairs.run(clients, seconds, per_client)
+                runs = _rounds(pairs, tpcb_dsn, dbos, clients, rounds, seconds, per_client)
+                pair_runs, tpcb_runs = _measured(runs["pairs"]), _measured(runs["tpcb"])
+                assert pair_runs is not None and tpcb_runs is not None  # these raise instead
+                per_round = [
+                    ratio(p.per_s, t.per_s) for p, t in zip(pair_runs, tpcb_runs, strict=True)
+                ]
+                pairs_tps = median([r.per_s for r in pair_runs])
+                tpcb_tps = median([r.per_s for r in tpcb_runs])
                 key = f"{clients}_clients"
-                figures[f"pairs_per_s_{key}"] = round(pair.tps, 1)
-                baseline[f"pgbench_tpcb_like_tps_{key}"] = round(tpcb.tps, 1)
-                ratios[key] = ratio(pair.tps, tpcb.tps)
-                checks[f"pairs_{key}"] = pair.transactions
-                checks[f"completions_written_{key}"] = pair.transactions
+                figures[f"pairs_per_s_{key}"] = round(pairs_tps, 1)
+                figures[f"pairs_over_tpcb_by_round_{key}"] = per_round
+                baseline[f"pgbench_tpcb_like_tps_{key}"] = round(tpcb_tps, 1)
+                ratios[key] = round(median(per_round), 3)
+                written = sum(r.count for r in pair_runs)
+                checks[f"pairs_{key}"] = written
+                checks[f"completions_written_{key}"] = written
                 ok: bool | None = None
                 if clients == TARGET_CLIENTS:
                     ok = ratios[key] >= TARGET_RATIO
@@ -224,40 +301,43 @@ def run(settings: Settings) -> Result:
                 rows.append(
                     Row(
                         label=f"admit+complete pairs/s, {clients} client{plural}",
-                        figure=f"{pair.tps:,.0f} /s",
-                        baseline=f"{tpcb.tps:,.0f} /s pgbench tpcb-like",
+                        figure=(
+                            f"{pairs_tps:,.0f} /s (ratio per round {min(per_round):.3f}"
+                            f" to {max(per_round):.3f})"
+                        ),
+                        baseline=f"{tpcb_tps:,.0f} /s pgbench tpcb-like",
                         ratio=ratios[key],
                         target=f"ratio >= {TARGET_RATIO}" if ok is not None else "none",
                         result=verdict(ok),
                     )
                 )
-                dbos: dbos_pairs.DbosRun | None = None
-                if dbos_reason is None:
-                    try:
-                        dbos = dbos_pairs.measure(settings.base_dsn, [clients], seconds)[clients]
-                    except dbos_pairs.NotMeasured as exc:
-                        dbos_reason = str(exc)
+                dbos_runs = _measured(runs["dbos"])
+                dbos_tps = None if dbos_runs is None else median([r.per_s for r in dbos_runs])
                 dbos_ok: bool | None = None
-                if dbos is not None:
-                    baseline[f"dbos_one_step_workflows_per_s_{key}"] = dbos.per_s
-                    ratios[f"pairs_over_dbos_{key}"] = ratio(pair.tps, dbos.per_s)
-                    checks[f"dbos_workflows_{key}"] = dbos.workflows
+                if dbos_runs is not None and dbos_tps is not None:
+                    over_dbos = [
+                        ratio(p.per_s, d.per_s) for p, d in zip(pair_runs, dbos_runs, strict=True)
+                    ]
+                    baseline[f"dbos_one_step_workflows_per_s_{key}"] = round(dbos_tps, 1)
+                    ratios[f"pairs_over_dbos_{key}"] = round(median(over_dbos), 3)
+                    figures[f"pairs_over_dbos_by_round_{key}"] = over_dbos
+                    checks[f"dbos_workflows_{key}"] = sum(r.count for r in dbos_runs)
                     if clients == TARGET_CLIENTS:
                         dbos_ok = ratios[f"pairs_over_dbos_{key}"] >= TARGET_DBOS_RATIO
                         dbos_passed = dbos_ok
                 rows.append(
                     Row(
                         label=f"admit+complete pairs/s vs DBOS, {clients} client{plural}",
-                        figure=f"{pair.tps:,.0f} /s",
+                        figure=f"{pairs_tps:,.0f} /s",
                         baseline=(
-                            f"{dbos.per_s:,.0f} /s DBOS one-step workflows"
-                            if dbos is not None
-                            else f"DBOS not measured: {dbos_reason}"
+                            f"{dbos_tps:,.0f} /s DBOS one-step workflows"
+                            if dbos_tps is not None
+                            else f"DBOS not measured: {dbos.reason}"
                         ),
-                        ratio=None if dbos is None else ratios[f"pairs_over_dbos_{key}"],
+                        ratio=None if dbos_tps is None else ratios[f"pairs_over_dbos_{key}"],
                         target=(
                             f"ratio >= {TARGET_DBOS_RATIO:g}"
-                            if clients == TARGET_CLIENTS and dbos is not None
+                            if clients == TARGET_CLIENTS and dbos_tps is not None
                             else "none"
                         ),
                         result=verdict(dbos_ok),
@@ -284,17 +364,21 @@ def run(settings: Settings) -> Result:
         rows=rows,
         checks=checks,
         notes=[
-            f"pgbench -M prepared -c C -j C -T {seconds} on both sides, after a 1 s warm-up;"
-            " pairs as ql3_runtime (PGOPTIONS -c role=ql3_runtime), tpcb-like in its own"
-            " database (pgbench -i -s 8)",
+            f"pgbench -M prepared -c C -j C -T {seconds} on both sides, {rounds} rounds (order"
+            " reversed every other round), after 1 s warm-ups; figures are the medians over the"
+            " rounds, the tpcb-like ratio the median of the per-round ratios; pairs as"
+            " ql3_runtime (PGOPTIONS -c role=ql3_runtime), tpcb-like in its own database"
+            " (pgbench -i -s 8); each pairs run on a fresh batch of ready steps",
             "a pair = admit_invocation + complete_invocation (succeeded, with usage) of a ready"
             " model step created before the timed window; completions written = pairs",
             (
                 f"DBOS Transact {dbos_pairs.version()}: one workflow with one step (no I/O) per"
                 " model call, C threads through its synchronous API, system database on the same"
-                f" server, {seconds} s after a {dbos_pairs.WARMUP_SECONDS:g} s warm-up"
-                if dbos_reason is None
-                else f"DBOS comparison not measured: {dbos_reason}"
+                f" server, a third side of every round ({seconds} s after a"
+                f" {dbos_pairs.WARMUP_SECONDS:g} s warm-up, in a fresh system database); its ratio"
+                " is the median of the per-round ratios"
+                if dbos.reason is None
+                else f"DBOS comparison not measured: {dbos.reason}"
             ),
         ],
     )

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,9 @@ def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
         assert positive(pairs["figures"][f"pairs_per_s_{clients}_clients"])
         assert positive(pairs["baseline"][f"pgbench_tpcb_like_tps_{clients}_clients"])
         assert pairs["checks"][f"completions_written_{clients}_clients"] > 0
+        by_round = pairs["figures"][f"pairs_over_tpcb_by_round_{clients}_clients"]
+        assert len(by_round) == 1 and positive(by_round[0])  # --quick: one round
+        assert pairs["ratio"][f"{clients}_clients"] == by_round[0]
     assert isinstance(pairs["pass"], bool)
     dbos_rows = [row for row in pairs["rows"] if "vs DBOS" in row["label"]]
     assert len(dbos_rows) == 2
@@ -86,6 +90,28 @@ def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
             assert positive(pairs["baseline"][f"dbos_one_step_workflows_per_s_{clients}_clients"])
             assert positive(pairs["ratio"][f"pairs_over_dbos_{clients}_clients"])
             assert pairs["checks"][f"dbos_workflows_{clients}_clients"] > 0
+            by_round = pairs["figures"][f"pairs_over_dbos_by_round_{clients}_clients"]
+            assert len(by_round) == 1 and positive(by_round[0])
+
+
+def test_alternating_rounds_reverse_the_order_every_other_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench.common import alternating
+
+    calls: list[str] = []
+
+    def side(name: str) -> Callable[[], str]:
+        def once() -> str:
+            calls.append(name)
+            return f"{name}{len(calls)}"
+
+        return once
+
+    runs = alternating({"a": side("a"), "b": side("b"), "c": side("c")}, 3)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert runs == {"a": ["a1", "a6", "a7"], "b": ["b2", "b5", "b8"], "c": ["c3", "c4", "c9"]}
 
 
 def test_dbos_baseline_reports_why_it_is_not_measured_when_dbos_is_missing(

@@ -59,6 +59,10 @@ COMMENT ON TABLE ql3_ai.model_invocation_starts IS
 CREATE INDEX model_invocation_starts_history
 ON ql3_ai.model_invocation_starts (run_id, step_run_id, admitted_at, invocation_id);
 
+-- `ql3 invocations list`: the newest starts first, without sorting the whole history.
+CREATE INDEX model_invocation_starts_recent
+ON ql3_ai.model_invocation_starts (admitted_at, invocation_id);
+
 CREATE TABLE ql3_ai.model_invocation_completions (
     invocation_id text PRIMARY KEY REFERENCES ql3_ai.model_invocation_starts (invocation_id),
     start_digest text NOT NULL,

@@ -18,12 +18,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
 from fix_invocations import PAST, PROJECT, admission, completion, model_step
 from fix_servers import role_dsn
-from ql3 import cli
+from ql3 import cli, invocations_cli
 from ql3.invocations import Outcome, Usage
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.store import PgStore
@@ -95,6 +96,26 @@ def test_list_shows_newest_first_and_unresolved_shows_only_lost_ones(
     assert code == 0 and rows == []
     code, _, err = run(capsys, "invocations", "list", "--limit", "0")
     assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT")
+
+
+@pytest.mark.parametrize("project", [None, PROJECT])
+@pytest.mark.parametrize("unresolved", [False, True])
+def test_listings_read_an_index_in_order_instead_of_sorting_the_history(
+    runtime: PgStore, db_dsn: str, unresolved: bool, project: str | None
+) -> None:
+    settled(runtime, Outcome.SUCCEEDED)
+    settled(runtime, Outcome.LOST)
+    sql = invocations_cli._UNRESOLVED_SQL if unresolved else invocations_cli._RECENT_SQL
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions")
+        # A few rows would be read whole and sorted; forbid that so the plan shows whether
+        # an index can deliver the order, as it must once the history is large.
+        conn.execute("SET enable_seqscan = off")
+        rows = conn.execute("EXPLAIN " + sql, {"project": project, "limit": 10}).fetchall()
+    plan = "\n".join(str(r[0]) for r in rows)
+    index = "model_invocation_completions_lost" if unresolved else "model_invocation_starts_recent"
+    assert f"Index Scan Backward using {index}" in plan or f"Index Scan using {index}" in plan, plan
+    assert "Sort" not in plan, plan
 
 
 def test_show_prints_receipts_step_and_usage(

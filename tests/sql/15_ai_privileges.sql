@@ -6,7 +6,7 @@ SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refus
 \ir lib/invocation_helpers.sql
 \ir lib/privilege_helpers.sql
 
-SELECT plan(352);
+SELECT plan(353);
 
 -- Schema and catalogue -----------------------------------------------------------------------
 
@@ -80,6 +80,10 @@ SELECT is(
 SELECT has_index(
     'ql3_ai', 'model_invocation_starts', 'model_invocation_starts_history',
     ARRAY['run_id', 'step_run_id', 'admitted_at', 'invocation_id'], 'starts have a plain history index'
+);
+SELECT has_index(
+    'ql3_ai', 'model_invocation_starts', 'model_invocation_starts_recent',
+    ARRAY['admitted_at', 'invocation_id'], 'starts have an index for the newest-first listing'
 );
 SELECT has_index(
     'ql3_ai', 'model_invocation_completions', 'model_invocation_completions_history',

@@ -312,9 +312,10 @@ def run(settings: Settings) -> Result:
                     )
                 )
                 dbos_runs = _measured(runs["dbos"])
-                dbos_tps = None if dbos_runs is None else median([r.per_s for r in dbos_runs])
+                dbos_tps: float | None = None
                 dbos_ok: bool | None = None
-                if dbos_runs is not None and dbos_tps is not None:
+                if dbos_runs is not None:
+                    dbos_tps = median([r.per_s for r in dbos_runs])
                     over_dbos = [
                         ratio(p.per_s, d.per_s) for p, d in zip(pair_runs, dbos_runs, strict=True)
                     ]

@@ -157,20 +157,42 @@ def pgbench(
     seconds: int,
     protocol: str = "prepared",
     defines: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> PgbenchRun:
     """Runs ``pgbench -n -M protocol [-D name=value ...] -f script -c C -j C -T secs`` and
     parses its report."""
-    binary = PG_BIN / "pgbench"
     with tempfile.NamedTemporaryFile("w", suffix=".sql", prefix="ql3-bench-") as f:
         f.write(script)
         f.flush()
-        done = subprocess.run(
-            [str(binary), "-n", "-M", protocol, *(a for d in defines for a in ("-D", d)),
-             "-f", f.name, "-c", str(clients), "-j", str(clients), "-T", str(seconds), dsn],
-            capture_output=True,
-            text=True,
-            check=False,
-        )  # fmt: skip
+        return run_pgbench(
+            dsn,
+            ["-n", *(a for d in defines for a in ("-D", d)), "-f", f.name],
+            clients=clients,
+            seconds=seconds,
+            protocol=protocol,
+            env=env,
+        )
+
+
+def run_pgbench(
+    dsn: str,
+    args: Sequence[str],
+    *,
+    clients: int,
+    seconds: int,
+    protocol: str = "prepared",
+    env: dict[str, str] | None = None,
+) -> PgbenchRun:
+    """Runs ``pgbench -M protocol -c C -j C -T secs ARGS DSN`` (``env`` added to this
+    process's environment) and parses its report."""
+    done = subprocess.run(
+        [str(PG_BIN / "pgbench"), "-M", protocol, "-c", str(clients), "-j", str(clients),
+         "-T", str(seconds), *args, dsn],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"pgbench failed ({done.returncode}): {done.stderr.strip()}")
     out = done.stdout

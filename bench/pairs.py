@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from bench.common import (
     fresh_database,
     median,
     ratio,
+    run_pgbench,
     verdict,
     with_dbname,
 )
@@ -109,39 +109,8 @@ AS $$
 $$;
 """
 
-_PROCESSED = re.compile(r"number of transactions actually processed: (\d+)")
-_FAILED = re.compile(r"number of failed transactions: (\d+)")
-_TPS = re.compile(r"tps = ([0-9.]+) \(without initial connection time\)")
 _BASE0 = 100_000_000_000
 _MAX_PER_CLIENT = 999_999
-
-
-def _pgbench(
-    dsn: str, args: Sequence[str], *, clients: int, seconds: int, env: dict[str, str] | None = None
-) -> PgbenchRun:
-    """``pgbench -M prepared -c C -j C -T S ARGS DSN``, parsed."""
-    done = subprocess.run(
-        [str(PG_BIN / "pgbench"), "-M", "prepared", "-c", str(clients), "-j", str(clients),
-         "-T", str(seconds), *args, dsn],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"pgbench failed ({done.returncode}): {done.stderr.strip()}")
-    out = done.stdout
-    processed, tps = _PROCESSED.search(out), _TPS.search(out)
-    if processed is None or tps is None:
-        raise RuntimeError(f"cannot parse pgbench output:\n{out}")
-    failed = _FAILED.search(out)
-    return PgbenchRun(
-        clients=clients,
-        seconds=seconds,
-        transactions=int(processed.group(1)),
-        failed=int(failed.group(1)) if failed else 0,
-        tps=float(tps.group(1)),
-    )
 
 
 def _completions(dsn: str) -> int:
@@ -167,7 +136,7 @@ class _Pairs:
             conn.execute("SELECT bench_prepare(%s, %s, %s)", (base, clients, per_client))
             conn.execute("VACUUM ANALYZE")
         before = _completions(self.dsn)
-        run = _pgbench(
+        run = run_pgbench(
             self.dsn,
             ["-n", "-f", self.script, "-D", f"base={base}", "-D", "n=0"],
             clients=clients,
@@ -222,7 +191,7 @@ def _rounds(
     """``rounds`` runs of each side, alternating (``bench.common.alternating``)."""
 
     def tpcb() -> _Sample:
-        done = _pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=seconds)
+        done = run_pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=seconds)
         return _Sample(done.tps, done.transactions)
 
     def pair() -> _Sample:
@@ -237,7 +206,7 @@ def _rounds(
     return alternating(sides, rounds)
 
 
-def _measured(samples: list[_Sample | None]) -> list[_Sample] | None:
+def _every_round(samples: list[_Sample | None]) -> list[_Sample] | None:
     """The samples of a side, or None if any round could not measure it."""
     done = [s for s in samples if s is not None]
     return done if len(done) == len(samples) else None
@@ -275,10 +244,10 @@ def run(settings: Settings) -> Result:
             for clients in CLIENT_COUNTS:
                 # Warm-up (plans, buffers); its rate sizes the batch of ready steps.
                 warm = pairs.run(clients, 1, 5000)
-                _pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=1)
+                run_pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=1)
                 per_client = math.ceil(warm.tps / clients * seconds * 3) + 1000
                 runs = _rounds(pairs, tpcb_dsn, dbos, clients, rounds, seconds, per_client)
-                pair_runs, tpcb_runs = _measured(runs["pairs"]), _measured(runs["tpcb"])
+                pair_runs, tpcb_runs = _every_round(runs["pairs"]), _every_round(runs["tpcb"])
                 assert pair_runs is not None and tpcb_runs is not None  # these raise instead
                 per_round = [
                     ratio(p.per_s, t.per_s) for p, t in zip(pair_runs, tpcb_runs, strict=True)
@@ -311,7 +280,7 @@ def run(settings: Settings) -> Result:
                         result=verdict(ok),
                     )
                 )
-                dbos_runs = _measured(runs["dbos"])
+                dbos_runs = _every_round(runs["dbos"])
                 dbos_tps: float | None = None
                 dbos_ok: bool | None = None
                 if dbos_runs is not None:

@@ -114,6 +114,31 @@ def test_alternating_rounds_reverse_the_order_every_other_round(
     assert runs == {"a": ["a1", "a6", "a7"], "b": ["b2", "b5", "b8"], "c": ["c3", "c4", "c9"]}
 
 
+def test_a_dbos_round_that_cannot_be_measured_marks_the_side_not_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench import dbos_pairs, pairs
+
+    calls: list[int] = []
+
+    def measure(base_dsn: str, clients: list[int], seconds: float) -> dict[int, Any]:
+        calls.append(clients[0])
+        if len(calls) == 2:
+            raise dbos_pairs.NotMeasured("the DBOS child crashed")
+        return {clients[0]: dbos_pairs.DbosRun(clients[0], seconds, 40, 20.0)}
+
+    monkeypatch.setattr(dbos_pairs, "available", lambda: None)
+    monkeypatch.setattr(dbos_pairs, "measure", measure)
+    dbos = pairs._Dbos("postgresql://unused")
+    first, second, third = (dbos.run(8, 2) for _ in range(3))
+    assert first == pairs._Sample(20.0, 40) and second is None and third is None
+    assert calls == [8, 8]  # no run after the failure
+    assert dbos.reason == "the DBOS child crashed"
+    assert pairs._every_round([first, second]) is None
+    assert pairs._every_round([first, first]) == [first, first]
+
+
 def test_dbos_baseline_reports_why_it_is_not_measured_when_dbos_is_missing(
     base_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

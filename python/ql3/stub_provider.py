@@ -307,24 +307,50 @@ def _compact_json(doc: Any) -> bytes:
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
+_MAX_INSTANT_ANSWERS: Final = 256
+
+
 def instant_transport(reply: str = DEFAULT_REPLY) -> httpx.MockTransport:
     """An in-process transport that answers every chat completion at once (no sockets):
-    the provider stub for measuring the gateway's own overhead."""
+    the provider stub for measuring the gateway's own overhead.
+
+    The answer to a request body is encoded once and kept (a few hundred bodies at most),
+    so a repeated request costs a lookup, not the stub's own JSON work: that work runs on
+    the caller's event loop and would be counted as the gateway's overhead. A repeated
+    request therefore gets the same ``id`` and ``created`` as the first.
+    """
+    answers: dict[tuple[str, bytes], tuple[bytes, bytes]] = {}
+
+    def answer(path: str, body: bytes) -> tuple[bytes, bytes]:
+        parsed = _parse(path, body)
+        if parsed.stream:
+            return b"text/event-stream", b"".join(sse_events(parsed, split_reply(reply)))
+        return b"application/json", _compact_json(completion_document(parsed, reply))
 
     def handle(request: httpx.Request) -> httpx.Response:
-        parsed = _parse(request.url.path, request.read())
-        if parsed.stream:
-            content_type = b"text/event-stream"
-            body = b"".join(sse_events(parsed, split_reply(reply)))
-        else:
-            content_type = b"application/json"
-            body = _compact_json(completion_document(parsed, reply))
+        key = (request.url.path, request.read())
+        found = answers.get(key)
+        if found is None:
+            if len(answers) >= _MAX_INSTANT_ANSWERS:
+                answers.clear()
+            found = answers[key] = answer(*key)
+        content_type, body = found
         # The same response as Response(content=body) (httpx reads that one eagerly, which
         # is the receiver's work): the body as a stream, with its length.
         headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
         return httpx.Response(200, headers=headers, stream=httpx.ByteStream(body))
 
-    return httpx.MockTransport(handle)
+    return _InstantTransport(handle)
+
+
+class _InstantTransport(httpx.MockTransport):
+    """``MockTransport`` without its ``await request.aread()``: the handler reads the
+    body itself, synchronously (the adapter always sends a byte stream)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.handler(request)
+        assert isinstance(response, httpx.Response)
+        return response
 
 
 __all__ = [

@@ -148,6 +148,9 @@ class _Entry:
     cached_wall: float
     verified_mono: float
     verified_wall: float
+    # What get_effective served, with the verified_wall it was made at: a hit returns the
+    # same (immutable) object until the entry is verified again.
+    served: tuple[float, EffectiveRevision] | None = None
 
 
 def _wall(ts: float | None) -> datetime | None:
@@ -397,7 +400,10 @@ class RevisionCache:
         rev = entry.revision
         if rev is None:
             raise errors.NotFound(f"QL3_NOT_FOUND: no active revision for {'/'.join(key)}")
-        return EffectiveRevision(
+        served = entry.served
+        if served is not None and served[0] == entry.verified_wall:
+            return served[1]
+        effective = EffectiveRevision(
             project_id=key[0],
             contract_family=key[1],
             contract_id=key[2],
@@ -409,6 +415,8 @@ class RevisionCache:
             cached_at=datetime.fromtimestamp(entry.cached_wall, UTC),
             verified_at=datetime.fromtimestamp(entry.verified_wall, UTC),
         )
+        entry.served = (entry.verified_wall, effective)
+        return effective
 
     def _lock(self, key: Key) -> asyncio.Lock:
         lock = self._locks.get(key)

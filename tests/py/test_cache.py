@@ -219,6 +219,29 @@ def test_get_effective_returns_the_active_revision_with_its_verified_hash(
     run(scenario())
 
 
+def test_a_hit_serves_the_same_revision_object_until_the_entry_is_verified_again(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    key = ("proj", FAMILY, "routing")
+
+    async def scenario() -> None:
+        async with operator(db) as ops, worker(db, redis_url, prefix, staleness=60.0) as c:
+            revision_id = await ops.activate(key, {"v": 1})
+            degraded = await c.get_effective(*key)  # no relay yet: verified before every use
+            assert (await c.get_effective(*key)).verified_at > degraded.verified_at
+            async with relay(db, redis_url, prefix):
+                await until(lambda: c.mode == "normal", 5, "normal mode")
+                rev = await c.get_effective(*key)
+                assert await c.get_effective(*key) is rev  # a hit: no new object
+                await asyncio.sleep(0.01)
+                await c.verify_all()
+                again = await c.get_effective(*key)
+                assert (again.revision_id, again.cached_at) == (revision_id, rev.cached_at)
+                assert again.verified_at > rev.verified_at
+
+    run(scenario())
+
+
 def test_a_contract_never_activated_raises_not_found(db: str, redis_url: str, prefix: str) -> None:
     async def scenario() -> None:
         async with RevisionCache(db, redis_url, channel_prefix=prefix) as c:

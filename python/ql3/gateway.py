@@ -397,7 +397,9 @@ def choose_route(
     return routes[-1]
 
 
-@dataclass(frozen=True, kw_only=True)
+# Internal records of one call: plain slotted dataclasses, built on every call (a frozen
+# one costs about twice as much to build).
+@dataclass(kw_only=True, slots=True)
 class _Plan:
     route: Route
     body: bytes
@@ -405,7 +407,7 @@ class _Plan:
     policy_revision_id: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class _Admission:
     call: ModelCall
     plan: _Plan
@@ -459,25 +461,52 @@ async def _run_to_end(job: concurrent.futures.Future[Mapping[str, Any]]) -> _Fin
     return _Finished(None if error is not None else job.result(), error, cancelled)
 
 
-async def _task_to_end(task: asyncio.Future[Mapping[str, Any]]) -> _Finished:
-    """``_run_to_end`` for a store call running as a task of its own on this loop: a
-    cancellation of the caller only cancels the wait (``shield``), which starts over."""
-    cancelled = False
-    while not task.done():
+async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
+    """``_run_to_end`` for a store coroutine, run as a task of its own on this loop.
+
+    The task records the call's end and completes the caller's waiter in its own last
+    step (one loop pass fewer than a done callback or ``shield``). A cancellation of the
+    caller cancels only its waiter, never the call, and the wait starts over on a new one.
+    A call cancelled from outside (loop shutdown) has an unknown outcome.
+    """
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+    ended: list[_Finished] = []
+
+    async def run() -> None:
         try:
-            await asyncio.shield(task)
+            ended.append(_Finished(await call, None, False))
         except asyncio.CancelledError:
-            if not task.cancelled():
-                cancelled = True  # only our wait was cancelled: the task runs on
-        except Exception:  # the call's own error, read from the task below
-            pass
-    if task.cancelled():  # not by us (loop shutdown): the outcome is unknown here
-        error: BaseException | None = errors.Unavailable(
-            "QL3_UNAVAILABLE: the store call was cancelled"
-        )
-        return _Finished(None, error, True)
-    error = task.exception()
-    return _Finished(None if error is not None else task.result(), error, cancelled)
+            error = errors.Unavailable("QL3_UNAVAILABLE: the store call was cancelled")
+            ended.append(_Finished(None, error, True))
+            raise
+        except BaseException as exc:
+            ended.append(_Finished(None, exc, False))
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the loop stops anyway
+        finally:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    running = loop.create_task(run())  # this frame holds the task until it has ended
+    cancelled = False
+    while not ended:
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            cancelled = True  # only our wait was cancelled: the task runs on
+            waiter = loop.create_future()
+    assert running is not None
+    done = ended[0]
+    return _Finished(done.value, done.error, done.cancelled or cancelled)
+
+
+def _settled_fields(admission: _Admission, command: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "invocation_id": admission.invocation_id,
+        "outcome": command.get("outcome"),
+        "result_code": command.get("result_code"),
+    }
 
 
 def _code(exc: BaseException) -> str:
@@ -530,7 +559,7 @@ class ModelGateway:
         as a task of its own (``_task_to_end``), a blocking call in one of the gateway's
         threads (as ``asyncio.to_thread``; ``_run_to_end``)."""
         if self._async_store:
-            return _task_to_end(asyncio.ensure_future(fn(command)))
+            return _task_to_end(fn(command))
         executor = self._executor
         if executor is None:
             executor = self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -808,13 +837,13 @@ class ModelGateway:
                 cancelled = True
         done = await self._store_call(self._store.complete_invocation, command)
         cancelled = cancelled or done.cancelled
-        fields = {
-            "invocation_id": admission.invocation_id,
-            "outcome": command.get("outcome"),
-            "result_code": command.get("result_code"),
-        }
         if done.error is not None:
-            _log(logging.ERROR, "gateway_completion_failed", error=str(done.error), **fields)
+            _log(
+                logging.ERROR,
+                "gateway_completion_failed",
+                error=str(done.error),
+                **_settled_fields(admission, command),
+            )
             if cancelled:
                 raise asyncio.CancelledError
             raise ModelAuditUnavailable(
@@ -825,7 +854,8 @@ class ModelGateway:
                 cause_code=_code(done.error),
                 invocation_id=admission.invocation_id,
             ) from done.error
-        _log(logging.INFO, "gateway_invocation_settled", **fields)
+        if log.isEnabledFor(logging.INFO):
+            _log(logging.INFO, "gateway_invocation_settled", **_settled_fields(admission, command))
         if cancelled:
             raise asyncio.CancelledError
         assert done.value is not None

@@ -232,15 +232,17 @@ def _usage(doc: object) -> Usage | None:
     """Usage from an OpenAI ``usage`` object; fields that are not counts stay unknown."""
     if not isinstance(doc, Mapping):
         return None
-
-    def count(name: str) -> int | None:
-        value = doc.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53 - 1:
-            return value
+    prompt, completion = _count(doc.get("prompt_tokens")), _count(doc.get("completion_tokens"))
+    if prompt is None and completion is None:
         return None
+    return Usage(input_tokens=prompt, output_tokens=completion)
 
-    usage = Usage(input_tokens=count("prompt_tokens"), output_tokens=count("completion_tokens"))
-    return usage if usage.known else None
+
+def _count(value: object) -> int | None:
+    """A token count, or None (unknown) for anything that is not one."""
+    if type(value) is int and 0 <= value <= 2**53 - 1:  # bool is not a count
+        return value
+    return None
 
 
 def _first_choice(doc: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -369,6 +371,8 @@ class OpenAICompatibleProvider:
         self._current: _Client | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._parsed: dict[str, Topology] = {}
+        # Routes are immutable and depend only on the topology revision: built once each.
+        self._routes: dict[tuple[str, str, str | None], Route] = {}
         self.resets = 0
         """How many times the connections were retired (a topology change, or ``reset``)."""
         topology.on_change(TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT, self._on_topology_change)
@@ -390,13 +394,20 @@ class OpenAICompatibleProvider:
     async def route(self, model: str, endpoint: str | None = None) -> Route:
         """Where a call of ``model`` goes (optionally pinned to one endpoint by name)."""
         topology = await self.topology()
-        chosen = topology.endpoint_for(model, endpoint)
-        return Route(
-            provider=chosen.name,
-            model=model,
-            url=chosen.chat_url,
-            topology_revision_id=topology.revision_id,
-        )
+        key = (topology.revision_id, model, endpoint)
+        route = self._routes.get(key)
+        if route is None:
+            chosen = topology.endpoint_for(model, endpoint)
+            route = Route(
+                provider=chosen.name,
+                model=model,
+                url=chosen.chat_url,
+                topology_revision_id=topology.revision_id,
+            )
+            if len(self._routes) >= _MAX_CACHED_TARGETS:
+                self._routes.clear()
+            self._routes[key] = route
+        return route
 
     def _on_topology_change(self, revision: _Revision) -> None:
         if revision.project_id != TOPOLOGY_PROJECT:
@@ -524,7 +535,9 @@ async def _read_body(response: httpx.Response) -> bytes:
     """The whole body as ``response.aread()`` gives it; read straight off the transport's
     stream when there is no ``Content-Encoding`` to undo (nothing to decode then)."""
     stream = response.stream
-    if "content-encoding" in response.headers or not isinstance(stream, httpx.AsyncByteStream):
+    # The raw header names: ``in response.headers`` would decode every header first.
+    encoded = any(name.lower() == b"content-encoding" for name, _ in response.headers.raw)
+    if encoded or not isinstance(stream, httpx.AsyncByteStream):
         return await response.aread()
     return b"".join([chunk async for chunk in stream])
 

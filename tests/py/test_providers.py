@@ -214,6 +214,63 @@ def test_completion_usage_comes_from_the_response_and_the_digest_covers_its_byte
     run(scenario())
 
 
+def test_the_instant_provider_answers_every_body_as_the_stub_server_would() -> None:
+    """It keeps its encoded answers (the benchmark's provider must cost the gateway's loop
+    nothing): a repeated body gets the same answer, every new body its own, past the
+    number of answers it keeps, streamed or not."""
+
+    async def scenario() -> None:
+        adapter = OpenAICompatibleProvider(Source(TOPOLOGY), transport_factory=instant_transport)
+        for i in [*range(300), 0, 299]:
+            words = " ".join(["w"] * (i + 1))
+            body = adapter.encode_request("m1", [{"role": "user", "content": words}], stream=False)
+            response = await adapter.complete(ROUTE, body)
+            assert response.usage is not None and response.usage.input_tokens == i + 1
+            assert response.text.startswith("Hello")
+        streamed = adapter.encode_request("m1", [{"role": "user", "content": "a b"}], stream=True)
+        events = [event async for event in adapter.stream(ROUTE, streamed)]
+        final = events[-1]
+        assert isinstance(final, ProviderResponse) and final.usage is not None
+        assert final.usage.input_tokens == 2
+        assert "".join(e.text for e in events if isinstance(e, StreamDelta)) == final.text
+        await adapter.aclose()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        ({"prompt_tokens": 3, "completion_tokens": 5}, (3, 5)),
+        ({"prompt_tokens": 3}, (3, None)),  # what is not reported stays unknown, never 0
+        ({"completion_tokens": 0}, (None, 0)),
+        ({"prompt_tokens": True, "completion_tokens": 5}, (None, 5)),  # a bool is no count
+        ({"prompt_tokens": -1, "completion_tokens": 2.0}, None),
+        ({"prompt_tokens": 2**53, "completion_tokens": "7"}, None),  # beyond 2^53-1
+        ({"prompt_tokens": 2**53 - 1}, (2**53 - 1, None)),
+        ({}, None),
+        ([3, 5], None),
+        (None, None),
+    ],
+)
+def test_usage_keeps_only_the_counts_the_provider_reported(
+    usage: object, expected: tuple[int | None, int | None] | None
+) -> None:
+    document = {
+        "choices": [{"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"}],
+        "usage": usage,
+    }
+
+    async def scenario() -> None:
+        adapter = adapter_with(lambda request: httpx.Response(200, json=document))
+        response = await adapter.complete(ROUTE, b"{}")
+        await adapter.aclose()
+        got = response.usage
+        assert (None if got is None else (got.input_tokens, got.output_tokens)) == expected
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(
     ("status", "body", "raised"),
     [

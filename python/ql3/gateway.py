@@ -473,32 +473,39 @@ async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
     waiter: asyncio.Future[None] = loop.create_future()
     ended: list[_Finished] = []
 
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
     async def run() -> None:
         try:
             ended.append(_Finished(await call, None, False))
         except asyncio.CancelledError:
-            error = errors.Unavailable("QL3_UNAVAILABLE: the store call was cancelled")
-            ended.append(_Finished(None, error, True))
-            raise
+            raise  # reported below
         except BaseException as exc:
             ended.append(_Finished(None, exc, False))
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the loop stops anyway
         finally:
-            if not waiter.done():
-                waiter.set_result(None)
+            wake()
 
-    running = loop.create_task(run())  # this frame holds the task until it has ended
+    running = loop.create_task(run())
+    # A task cancelled before its first step never runs run(): its end wakes us all the same.
+    running.add_done_callback(wake)
     cancelled = False
-    while not ended:
+    while not running.done():
         try:
             await waiter
         except asyncio.CancelledError:
             cancelled = True  # only our wait was cancelled: the task runs on
             waiter = loop.create_future()
-    assert running is not None
+    if not ended:  # cancelled, not by us (loop shutdown): the outcome is unknown here
+        if inspect.iscoroutine(call):
+            call.close()  # never started if the task was cancelled before its first step
+        error = errors.Unavailable("QL3_UNAVAILABLE: the store call was cancelled")
+        return _Finished(None, error, True)
     done = ended[0]
-    return _Finished(done.value, done.error, done.cancelled or cancelled)
+    return _Finished(done.value, done.error, cancelled)
 
 
 def _settled_fields(admission: _Admission, command: Mapping[str, Any]) -> dict[str, Any]:

@@ -717,6 +717,27 @@ def test_an_asyncio_store_call_cancelled_from_outside_is_an_unavailable_call() -
     run(scenario())
 
 
+def test_a_store_call_task_cancelled_before_it_ran_is_an_unavailable_call() -> None:
+    """The same at shutdown, when the store-call task is cancelled before its first step
+    (its coroutine never runs): the wait still ends, with an unknown outcome."""
+
+    async def scenario() -> None:
+        async def call() -> Mapping[str, Any]:
+            return {"status": "created"}
+
+        waiting = asyncio.ensure_future(_task_to_end(call()))
+        await asyncio.sleep(0)  # the wait has created the store-call task, not yet started
+        runner = "_task_to_end.<locals>.run"
+        tasks = asyncio.all_tasks()
+        [store_task] = [t for t in tasks if getattr(t.get_coro(), "__qualname__", "") == runner]
+        store_task.cancel()
+        done = await waiting
+        assert isinstance(done.error, Unavailable)
+        assert (done.value, done.cancelled) == (None, True)
+
+    run(scenario())
+
+
 # -- topology ---------------------------------------------------------------------------------
 
 

@@ -464,30 +464,25 @@ async def _run_to_end(job: concurrent.futures.Future[Mapping[str, Any]]) -> _Fin
 async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
     """``_run_to_end`` for a store coroutine, run as a task of its own on this loop.
 
-    The task records the call's end and completes the caller's waiter in its own last
-    step (one loop pass fewer than a done callback or ``shield``). A cancellation of the
+    The task's result is the call's end, and its last step completes the caller's waiter
+    (one loop pass fewer than a done callback or ``shield``). A cancellation of the
     caller cancels only its waiter, never the call, and the wait starts over on a new one.
     A call cancelled from outside (loop shutdown) has an unknown outcome.
     """
     loop = asyncio.get_running_loop()
     waiter: asyncio.Future[None] = loop.create_future()
-    ended: list[_Finished] = []
 
     def wake(_: object = None) -> None:
         if not waiter.done():
             waiter.set_result(None)
 
-    async def run() -> None:
+    async def run() -> _Finished:
         try:
-            ended.append(_Finished(await call, None, False))
-        except asyncio.CancelledError:
-            raise  # reported below
-        except BaseException as exc:
-            ended.append(_Finished(None, exc, False))
-            if not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt, SystemExit: the loop stops anyway
+            return _Finished(await call, None, False)
+        except Exception as exc:
+            return _Finished(None, exc, False)
         finally:
-            wake()
+            wake()  # the task is done by the time the caller resumes
 
     running = loop.create_task(run())
     # A task cancelled before its first step never runs run(): its end wakes us all the same.
@@ -499,12 +494,12 @@ async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
         except asyncio.CancelledError:
             cancelled = True  # only our wait was cancelled: the task runs on
             waiter = loop.create_future()
-    if not ended:  # cancelled, not by us (loop shutdown): the outcome is unknown here
+    if running.cancelled():  # not by us (loop shutdown): the outcome is unknown here
         if inspect.iscoroutine(call):
             call.close()  # never started if the task was cancelled before its first step
         error = errors.Unavailable("QL3_UNAVAILABLE: the store call was cancelled")
         return _Finished(None, error, True)
-    done = ended[0]
+    done = running.result()
     return _Finished(done.value, done.error, cancelled)
 
 

@@ -371,8 +371,8 @@ class OpenAICompatibleProvider:
         self._current: _Client | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._parsed: dict[str, Topology] = {}
-        # Routes are immutable and depend only on the topology revision: built once each.
-        self._routes: dict[tuple[str, str, str | None], Route] = {}
+        # The routes of the latest parsed topology, by (model, endpoint); built once each.
+        self._routes: dict[tuple[str, str | None], Route] = {}
         self.resets = 0
         """How many times the connections were retired (a topology change, or ``reset``)."""
         topology.on_change(TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT, self._on_topology_change)
@@ -388,25 +388,22 @@ class OpenAICompatibleProvider:
         parsed = self._parsed.get(revision_id)
         if parsed is None:
             parsed = Topology.from_body(revision.body, revision_id=revision_id)
-            self._parsed = {revision_id: parsed}  # keep only the latest
+            self._parsed = {revision_id: parsed}  # keep only the latest, and its routes
+            self._routes = {}
         return parsed
 
     async def route(self, model: str, endpoint: str | None = None) -> Route:
         """Where a call of ``model`` goes (optionally pinned to one endpoint by name)."""
-        topology = await self.topology()
-        key = (topology.revision_id, model, endpoint)
-        route = self._routes.get(key)
+        topology = await self.topology()  # the one self._routes belongs to
+        route = self._routes.get((model, endpoint))
         if route is None:
-            chosen = topology.endpoint_for(model, endpoint)
-            route = Route(
+            chosen = topology.endpoint_for(model, endpoint)  # NotFound is not kept
+            route = self._routes[(model, endpoint)] = Route(
                 provider=chosen.name,
                 model=model,
                 url=chosen.chat_url,
                 topology_revision_id=topology.revision_id,
             )
-            if len(self._routes) >= _MAX_CACHED_TARGETS:
-                self._routes.clear()
-            self._routes[key] = route
         return route
 
     def _on_topology_change(self, revision: _Revision) -> None:

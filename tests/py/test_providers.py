@@ -214,6 +214,32 @@ def test_completion_usage_comes_from_the_response_and_the_digest_covers_its_byte
     run(scenario())
 
 
+def test_routes_are_built_once_per_topology_revision() -> None:
+    async def scenario() -> None:
+        source = Source(TOPOLOGY)
+        adapter = OpenAICompatibleProvider(source, transport_factory=instant_transport)
+        first = await adapter.route("m1")
+        assert (first.provider, first.topology_revision_id) == ("a", "rev-1")
+        assert await adapter.route("m1") is first
+        assert (await adapter.route("m1", "b")).provider == "b"
+        for _ in range(2):  # an unknown model is refused every time, never kept
+            with pytest.raises(errors.NotFound):
+                await adapter.route("m3")
+        source.revision = Revision(
+            "__platform__", "platform_resource", "ollama_topology", "rev-2", 2,
+            topology_body([("c", "http://c:3/v1", ["m1"])]),
+        )  # fmt: skip
+        moved = await adapter.route("m1")
+        assert (moved.provider, moved.url, moved.topology_revision_id) == (
+            "c", "http://c:3/v1/chat/completions", "rev-2",
+        )  # fmt: skip
+        with pytest.raises(errors.NotFound):
+            await adapter.route("m1", "b")  # endpoint b is gone with revision 1
+        await adapter.aclose()
+
+    run(scenario())
+
+
 def test_the_instant_provider_answers_every_body_as_the_stub_server_would() -> None:
     """It keeps its encoded answers (the benchmark's provider must cost the gateway's loop
     nothing): a repeated body gets the same answer, every new body its own, past the

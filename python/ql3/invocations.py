@@ -12,10 +12,11 @@ they raise the ``ql3.errors`` class the database would raise for the same mistak
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Final, Protocol, TypeVar
 
@@ -321,6 +322,33 @@ def resolution_command(
     }
 
 
+MAX_RECOVERY_LIMIT: Final = 10000
+MAX_GRACE_SECONDS: Final = 36500 * 86400
+"""``recover_expired``'s bounds: at most 10,000 starts a call, a grace of 0..36,500 days."""
+
+
+def recovery_arguments(limit: object, grace_seconds: object) -> tuple[int, timedelta]:
+    """``recover_expired``'s argument checks, as its SQL makes them (D29), for the Python
+    stores: a grace that is not a finite number of seconds is refused here too, since no
+    interval could carry it to the database."""
+    if (
+        not isinstance(limit, int)
+        or isinstance(limit, bool)
+        or not 1 <= limit <= MAX_RECOVERY_LIMIT
+    ):
+        raise InvalidArgument(f"QL3_INVALID_ARGUMENT: limit must be 1..{MAX_RECOVERY_LIMIT}")
+    if (
+        not isinstance(grace_seconds, int | float)
+        or isinstance(grace_seconds, bool)
+        or not math.isfinite(grace_seconds)
+        or not 0 <= grace_seconds <= MAX_GRACE_SECONDS
+    ):
+        raise InvalidArgument(
+            "QL3_INVALID_ARGUMENT: grace must be a non-negative interval of at most 36500 days"
+        )
+    return limit, timedelta(seconds=grace_seconds)
+
+
 def command_digest(command: dict[str, JSON]) -> str:
     """The digest of a command under its own ``schema`` domain (decides exact replays)."""
     schema = command.get("schema")
@@ -333,6 +361,8 @@ __all__ = [
     "ADMISSION_SCHEMA",
     "COMPLETION_COMMAND_SCHEMA",
     "COMPLETION_SCHEMA",
+    "MAX_GRACE_SECONDS",
+    "MAX_RECOVERY_LIMIT",
     "OUTCOME_CANCELLED",
     "OUTCOME_REJECTED",
     "OUTCOME_UNKNOWN",
@@ -354,6 +384,7 @@ __all__ = [
     "format_uuid",
     "output_digest",
     "parse_timestamp",
+    "recovery_arguments",
     "request_digest",
     "resolution_command",
     "sha256_hex",

@@ -37,11 +37,11 @@ from ql3 import errors
 from ql3.cli import print_json
 from ql3.db import dsn_from_env
 from ql3.http_status import StatusServer, serve_status
-from ql3.invocations import format_timestamp
+from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
 from ql3.logs import backoff_delay, configure_logging, describe_error
 from ql3.store import PgStore, Row
 
-MAX_LIMIT = 10000
+MAX_LIMIT = MAX_RECOVERY_LIMIT
 DEFAULT_LIMIT = 100
 DEFAULT_GRACE_SECONDS = 30.0
 DEFAULT_INTERVAL_SECONDS = 5.0
@@ -67,10 +67,7 @@ class RecoveryConfig:
     """Port of /metrics and /healthz: None = no server, 0 = any free port."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.limit <= MAX_LIMIT:
-            raise errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: limit must be 1..{MAX_LIMIT}")
-        if self.grace_seconds < 0:
-            raise errors.InvalidArgument("QL3_INVALID_ARGUMENT: grace must be >= 0 seconds")
+        recovery_arguments(self.limit, self.grace_seconds)
         if self.interval <= 0 or self.backoff_initial <= 0 or self.backoff_max <= 0:
             raise errors.InvalidArgument(
                 "QL3_INVALID_ARGUMENT: interval and backoff must be positive"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -18,7 +18,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
+from ql3 import errors
 from ql3.db import Timeouts, make_pool, translated
+from ql3.invocations import recovery_arguments
 
 Row = dict[str, Any]
 _log = logging.getLogger("ql3.store")
@@ -29,6 +31,13 @@ CREATE_RUN_SQL = "SELECT ql3.create_run(%s, %s, %s::uuid)"
 ADD_STEP_RUN_SQL = "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)"
 RECOVER_EXPIRED_SQL = "SELECT ql3_ai.recover_expired(%s, %s)"
 _WAKE_SQL = "SELECT ql3.wake_relays()"
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """An aware datetime as it is; a naive one as UTC (never the session's time zone)."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
 
 
 def command_sql(function: str) -> str:
@@ -263,14 +272,22 @@ class PgStore:
 
     def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
         """Settles expired starts without completion as lost: {"count", "recovered"}."""
-        result = self._value(RECOVER_EXPIRED_SQL, (limit, timedelta(seconds=grace_seconds)))
+        result = self._value(RECOVER_EXPIRED_SQL, recovery_arguments(limit, grace_seconds))
         assert isinstance(result, dict)
         return result
 
     def usage_summary(
         self, project_id: str, since: datetime | None = None, until: datetime | None = None
     ) -> list[Row]:
-        """Totals by provider, model and currency over [since, until); unknown cost apart."""
+        """Totals by provider, model and currency over [since, until); unknown cost apart.
+
+        A naive ``since`` or ``until`` is taken as UTC, whatever the session's time zone.
+        """
+        if not isinstance(project_id, str):
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: project_id must be text, not {type(project_id).__name__}"
+            )
         return self._rows(
-            "SELECT * FROM ql3_ai.usage_summary(%s, %s, %s)", (project_id, since, until)
+            "SELECT * FROM ql3_ai.usage_summary(%s, %s, %s)",
+            (project_id, as_utc(since), as_utc(until)),
         )

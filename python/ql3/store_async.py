@@ -9,13 +9,13 @@ autocommit like PgStore's: each call is one statement, one transaction, one roun
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ql3.db import Timeouts, make_async_pool, translated
+from ql3.invocations import recovery_arguments
 from ql3.store import ADD_STEP_RUN_SQL, CREATE_RUN_SQL, RECOVER_EXPIRED_SQL, Row, command_sql
 
 
@@ -101,7 +101,7 @@ class AsyncPgStore:
 
     async def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
         """Settles expired starts without completion as lost: {"count", "recovered"}."""
-        result = await self._value(RECOVER_EXPIRED_SQL, (limit, timedelta(seconds=grace_seconds)))
+        result = await self._value(RECOVER_EXPIRED_SQL, recovery_arguments(limit, grace_seconds))
         assert isinstance(result, dict)
         return result
 

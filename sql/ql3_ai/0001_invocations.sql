@@ -313,7 +313,8 @@ BEGIN
     -- After the shape test every field below is digits only, so the integer casts are safe.
     IF length(value) <> 27 OR translate(value, '0123456789', '') <> '--T::.Z'
        OR substr(value, 5, 1) <> '-' OR substr(value, 8, 1) <> '-' OR substr(value, 11, 1) <> 'T'
-       OR substr(value, 14, 1) <> ':' OR substr(value, 17, 1) <> ':' OR substr(value, 20, 1) <> '.' THEN
+       OR substr(value, 14, 1) <> ':' OR substr(value, 17, 1) <> ':' OR substr(value, 20, 1) <> '.'
+       OR substr(value, 27, 1) <> 'Z' THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3V01',
             MESSAGE = format('QL3_INVALID_ARGUMENT: %s must be RFC 3339 UTC with six fractional digits '
@@ -1256,14 +1257,20 @@ DECLARE
     command jsonb;
     result jsonb;
     recovered jsonb := '[]'::jsonb;
+    -- The grace in seconds (a month as 30 days, a year as 365.25): '1 day' is 86400 s here,
+    -- not a calendar day in the session's time zone, which a DST change makes 23 or 25 h (D29).
+    grace_seconds numeric := extract(EPOCH FROM p_grace);
+    horizon timestamptz;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 OR p_limit > 10000 THEN
         RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: limit must be 1..10000';
     END IF;
-    IF p_grace IS NULL OR p_grace < interval '0' THEN
+    IF grace_seconds IS NULL OR grace_seconds < 0 OR grace_seconds > 3153600000 THEN  -- 36500 days
         RAISE EXCEPTION USING
-            ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: grace must be a non-negative interval';
+            ERRCODE = 'Q3V01',
+            MESSAGE = 'QL3_INVALID_ARGUMENT: grace must be a non-negative interval of at most 36500 days';
     END IF;
+    horizon := ql3._now() - make_interval(secs => grace_seconds::double precision);
     -- An unfinished start is exactly the current invocation of a running step, so the
     -- scan walks running steps (few) rather than the start history (unbounded). Steps
     -- another transaction holds are skipped: their owner is completing them right now.
@@ -1274,11 +1281,11 @@ BEGIN
         FROM ql3.step_runs AS s
         INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
         WHERE s.status = 'running'
-          AND st.deadline_at + p_grace < ql3._now()
+          AND st.deadline_at < horizon
           AND NOT EXISTS (
               SELECT 1 FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = st.invocation_id
           )
-        ORDER BY st.deadline_at, st.invocation_id
+        ORDER BY st.deadline_at, st.invocation_id COLLATE "C"  -- byte order, whatever the database's
         LIMIT p_limit
         FOR UPDATE OF s SKIP LOCKED
     LOOP
@@ -1349,7 +1356,7 @@ BEGIN
       AND (p_from IS NULL OR u.recorded_at >= p_from)
       AND (p_to IS NULL OR u.recorded_at < p_to)
     GROUP BY u.provider, u.model, u.currency
-    ORDER BY u.provider, u.model, u.currency;
+    ORDER BY u.provider COLLATE "C", u.model COLLATE "C", u.currency COLLATE "C";
 END;
 $$;
 

@@ -28,8 +28,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
-from fix_servers import role_dsn
+from fix_servers import drop_database, role_dsn, with_dbname
 from fix_stores import make_edge_store, pin_clock
 from ql3 import canonical, errors
 from ql3.edge import EdgeStore
@@ -40,6 +41,7 @@ from ql3.invocations import (
     RESOLUTION_COMMAND_SCHEMA,
     format_timestamp,
 )
+from ql3.migrate import migrate
 from ql3.store import PgStore
 from test_canonical import load_vectors
 
@@ -50,6 +52,7 @@ R2 = "aaaaaaaa-0000-0000-0000-000000000002"
 TOOL = "bbbbbbbb-0000-0000-0000-0000000000ff"
 R2_STEP = "bbbbbbbb-0000-0000-0000-000000000021"
 FAR = "2999-01-01T00:00:00.000000Z"
+T_PAST = "2000-01-01T00:00:00.000000Z"
 
 Store = Any
 """A PgStore or an EdgeStore: the tests call only what both offer."""
@@ -293,6 +296,11 @@ ADMISSION_CASES: list[Case] = [
         _with(_ok2(), input_bytes=1.5)), "QL3_INVALID_ARGUMENT"),
     ("integral float input_bytes", lambda w: w.store.admit_invocation(
         _with(_ok2(), input_bytes=512.0)), "QL3_INVALID_ARGUMENT"),
+    ("integral float input_bytes and a 129-character invocation_id", lambda w:
+     w.store.admit_invocation(_with(_ok2(), input_bytes=512.0, invocation_id="i" * 129)),
+     "QL3_INVALID_ARGUMENT"),
+    ("integral float version and a command over 24 KiB", lambda w: w.store.admit_invocation(
+        _with(_ok2(), expected_step_run_version=1.0, model="m" * 30000)), "QL3_INVALID_ARGUMENT"),
     ("number beyond 2^53-1", lambda w: w.store.admit_invocation(
         _with(_ok2(), input_bytes=2**53)), "QL3_INVALID_ARGUMENT"),
     ("version 0", lambda w: w.store.admit_invocation(
@@ -317,6 +325,10 @@ ADMISSION_CASES: list[Case] = [
         _with(_ok2(), deadline_at="2030-01-01T00:00:00Z")), "QL3_INVALID_ARGUMENT"),
     ("deadline not UTC", lambda w: w.store.admit_invocation(
         _with(_ok2(), deadline_at="2030-01-01T00:00:00.000000+01:00")), "QL3_INVALID_ARGUMENT"),
+    ("deadline with a digit after the Z", lambda w: w.store.admit_invocation(
+        _with(_ok2(), deadline_at="2030-01-01T00:00:00.12345Z6")), "QL3_INVALID_ARGUMENT"),
+    ("deadline with the Z inside the fraction", lambda w: w.store.admit_invocation(
+        _with(_ok2(), deadline_at="2030-01-01T00:00:00.Z000000")), "QL3_INVALID_ARGUMENT"),
     ("deadline on February 30", lambda w: w.store.admit_invocation(
         _with(_ok2(), deadline_at="2030-02-30T00:00:00.000000Z")), "QL3_INVALID_ARGUMENT"),
     ("policy without contract and revision", lambda w: w.store.admit_invocation(
@@ -364,6 +376,16 @@ COMPLETION_CASES: list[Case] = [
         w.completion("inv-r5", usage=usage(1.5, 2, 3, "USD"))), "QL3_INVALID_ARGUMENT"),
     ("integral float tokens", lambda w: w.store.complete_invocation(
         w.completion("inv-r5", usage=usage(1.0, 2, 3, "USD"))), "QL3_INVALID_ARGUMENT"),
+    ("replay with integral float tokens", lambda w: w.store.complete_invocation(
+        w.completion("inv-r4", usage=usage(100.0, 20, 1500, "USD"))), "QL3_INVALID_ARGUMENT"),
+    ("replay with an integral float output_bytes", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r4", usage=usage(100, 20, 1500, "USD")), output_bytes=2048.0)),
+     "QL3_INVALID_ARGUMENT"),
+    ("never admitted, integral float output_bytes", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-never"), output_bytes=2048.0)), "QL3_INVALID_ARGUMENT"),
+    ("other start_digest, integral float output_bytes", lambda w: w.store.complete_invocation(
+        _with(w.completion("inv-r5"), start_digest="0" * 64, output_bytes=2048.0)),
+     "QL3_INVALID_ARGUMENT"),
     ("unknown usage field", lambda w: w.store.complete_invocation(
         w.completion("inv-r5", usage={**usage(1, 2, 3, "USD"), "prompt_tokens": 1})),
      "QL3_INVALID_ARGUMENT"),
@@ -413,6 +435,9 @@ RESOLUTION_CASES: list[Case] = [
     ("string version", lambda w: w.store.resolve_invocation(
         _with(w.resolution("inv-r3", "retry"), expected_step_run_version="3")),
      "QL3_INVALID_ARGUMENT"),
+    ("integral float version and a 129-character user_id", lambda w: w.store.resolve_invocation(
+        _with(w.resolution("inv-r3", "retry", "u" * 129), expected_step_run_version=3.0)),
+     "QL3_INVALID_ARGUMENT"),
     ("record schema name", lambda w: w.store.resolve_invocation(
         _with(w.resolution("inv-r3", "retry"), schema="ql3/model-invocation-resolution@v1")),
      "QL3_INVALID_ARGUMENT"),
@@ -433,7 +458,21 @@ OTHER_CASES: list[Case] = [
     ("recovery limit 10001", lambda w: w.store.recover_expired(10001, 0), "QL3_INVALID_ARGUMENT"),
     ("recovery negative grace", lambda w: w.store.recover_expired(10, -1.0),
      "QL3_INVALID_ARGUMENT"),
+    ("recovery limit as a float", lambda w: w.store.recover_expired(5.0, 0),
+     "QL3_INVALID_ARGUMENT"),
+    ("recovery limit as a boolean", lambda w: w.store.recover_expired(True, 0),
+     "QL3_INVALID_ARGUMENT"),
+    ("recovery grace over 36500 days", lambda w: w.store.recover_expired(10, 36500 * 86400 + 1),
+     "QL3_INVALID_ARGUMENT"),
+    ("recovery grace of 10^13 s", lambda w: w.store.recover_expired(10, 1e13),
+     "QL3_INVALID_ARGUMENT"),
+    ("recovery infinite grace", lambda w: w.store.recover_expired(10, float("inf")),
+     "QL3_INVALID_ARGUMENT"),
+    ("recovery NaN grace", lambda w: w.store.recover_expired(10, float("nan")),
+     "QL3_INVALID_ARGUMENT"),
     ("usage of an empty project", lambda w: w.store.usage_summary(""), "QL3_INVALID_ARGUMENT"),
+    ("usage of a project that is not text", lambda w: w.store.usage_summary(5),
+     "QL3_INVALID_ARGUMENT"),
     ("usage of a 129-character project", lambda w: w.store.usage_summary("p" * 129),
      "QL3_IDENTIFIER_TOO_LONG"),
     ("usage from after to", lambda w: w.store.usage_summary(
@@ -449,6 +488,16 @@ OTHER_CASES: list[Case] = [
     ("step with other content", lambda w: w.store.add_step_run(R1, "tool", step(1)),
      "QL3_CONFLICT"),
     ("run id that is not a uuid", lambda w: w.store.create_run("proj", "t", "run-1"),
+     "QL3_INVALID_ARGUMENT"),
+    ("run id with a leading space", lambda w: w.store.create_run(
+        "proj", "t", " aaaaaaaa-0000-0000-0000-0000000000a9"), "QL3_INVALID_ARGUMENT"),
+    ("run id with a newline after it", lambda w: w.store.create_run(
+        "proj", "t", "aaaaaaaa-0000-0000-0000-0000000000a9\n"), "QL3_INVALID_ARGUMENT"),
+    ("run id as a urn", lambda w: w.store.create_run(
+        "proj", "t", "urn:uuid:aaaaaaaa-0000-0000-0000-0000000000a9"), "QL3_INVALID_ARGUMENT"),
+    ("run id with a misplaced hyphen", lambda w: w.store.create_run(
+        "proj", "t", "aaaaaaa-a0000-0000-0000-0000000000a9"), "QL3_INVALID_ARGUMENT"),
+    ("step lookup with a leading space", lambda w: w.store.step_run(" " + step(2)),
      "QL3_INVALID_ARGUMENT"),
     ("put under an unknown family", lambda w: w.store.put_revision(
         "proj", "no_such_family", "c", {}, "ops"), "QL3_INVALID_ARGUMENT"),
@@ -794,6 +843,99 @@ def test_a_pinned_clock_moves_recovery_on_every_store(store: Store) -> None:
     done = store.recover_expired(10, 0)
     assert done["count"] == 1
     pin_clock(store, None)
+
+
+def test_uuid_arguments_take_the_spellings_postgresql_takes(store: Store) -> None:
+    """D29: braces, upper case, no hyphens or one after any group of four; all one run."""
+    spellings = {
+        "{AAAAAAAA-0000-0000-0000-0000000000B1}": "aaaaaaaa-0000-0000-0000-0000000000b1",
+        "aaaaaaaa0000000000000000000000b2": "aaaaaaaa-0000-0000-0000-0000000000b2",
+        "aaaa-aaaa-0000-0000-0000-0000-0000-00b3": "aaaaaaaa-0000-0000-0000-0000000000b3",
+    }
+    for given, canonical_id in spellings.items():
+        assert store.create_run("proj", "trace-u", given) == canonical_id
+        assert store.run(given.upper())["run_id"] == canonical_id
+
+
+def test_recovery_grace_is_exact_seconds_in_any_session_time_zone(
+    db_dsn: str, tmp_path: Path
+) -> None:
+    """D29: a grace of 86,400 s is 24 hours, also across a DST change of the session's time
+    zone (PostgreSQL once added it as '1 day', a calendar day: 23 hours here)."""
+    new_york = make_conninfo(db_dsn, options="-c TimeZone=America/New_York")
+    with PgStore(new_york) as pg, make_edge_store("edge-wal", tmp_path) as edge:
+        for s in (pg, edge):
+            s.create_run("proj", "trace-1", R1)
+            s.add_step_run(R1, "model", step(1))
+            # 07:00 in New York on the day before its clocks go forward.
+            deadline = "2030-03-09T12:00:00.000000Z"
+            s.admit_invocation(admission("inv-1", R1, step(1), 1, deadline_at=deadline))
+            pin_clock(s, datetime(2030, 3, 10, 11, 30, tzinfo=UTC))  # 23.5 h later
+            assert s.recover_expired(10, 86400)["count"] == 0, type(s).__name__
+            pin_clock(s, datetime(2030, 3, 10, 12, 0, 1, tzinfo=UTC))  # 24 h and 1 s later
+            assert s.recover_expired(10, 86400)["count"] == 1, type(s).__name__
+            pin_clock(s, None)
+
+
+def test_usage_bounds_without_a_time_zone_are_utc_in_any_session(
+    db_dsn: str, tmp_path: Path
+) -> None:
+    """D29: naive ``since``/``until`` are UTC on every store, not the session's zone."""
+    new_york = make_conninfo(db_dsn, options="-c TimeZone=America/New_York")
+    with PgStore(new_york) as pg, make_edge_store("edge-wal", tmp_path) as edge:
+        for s in (pg, edge):
+            world = World(s)
+            s.create_run("proj", "trace-1", R1)
+            s.add_step_run(R1, "model", step(1))
+            pin_clock(s, datetime(2030, 1, 1, 2, 0, tzinfo=UTC))  # 21:00 the day before in NY
+            world.admit(admission("inv-1", R1, step(1), 1))
+            s.complete_invocation(world.completion("inv-1", usage=usage(10, 5, 100, "USD")))
+            pin_clock(s, None)
+            naive = s.usage_summary("proj", datetime(2030, 1, 1), datetime(2030, 1, 2))
+            aware = s.usage_summary(
+                "proj", datetime(2030, 1, 1, tzinfo=UTC), datetime(2030, 1, 2, tzinfo=UTC)
+            )
+            assert [r["completions"] for r in naive] == [1], type(s).__name__
+            assert naive == aware
+
+
+def test_orders_are_byte_orders_whatever_the_database_collation(
+    base_dsn: str, tmp_path: Path
+) -> None:
+    """D29: recovery and the usage summary sort text by bytes, as SQLite does, also in a
+    database whose default collation is ICU's en-US (where 'inv-a' sorts before 'inv-B')."""
+    with psycopg.connect(base_dsn, autocommit=True) as conn:
+        name = f"icu_{uuid.uuid4().hex[:12]}"
+        conn.execute(
+            f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu"
+            " ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'"
+        )
+    dsn = with_dbname(base_dsn, name)
+    try:
+        migrate(dsn, with_ai=True)
+        with PgStore(dsn) as pg, make_edge_store("edge-wal", tmp_path) as edge:
+            orders = {}
+            for s in (pg, edge):
+                world = World(s)
+                s.create_run("proj", "trace-1", R1)
+                for n, invocation_id in ((1, "inv-a"), (2, "inv-B")):
+                    s.add_step_run(R1, "model", step(n))
+                    world.admit(admission(invocation_id, R1, step(n), 1, deadline_at=T_PAST))
+                for n, provider in ((3, "b-provider"), (4, "B-provider")):
+                    s.add_step_run(R1, "model", step(n))
+                    command = _with(admission(f"inv-u{n}", R1, step(n), 1), provider=provider)
+                    world.admit(command)
+                    done = world.completion(f"inv-u{n}", usage=usage(1, 1, 1, "USD"))
+                    s.complete_invocation(done)
+                recovered = s.recover_expired(1, 0)["recovered"]
+                summary = s.usage_summary("proj")
+                orders[type(s).__name__] = (
+                    [r["invocation_id"] for r in recovered],
+                    [r["provider"] for r in summary],
+                )
+        assert orders["PgStore"] == orders["EdgeStore"] == (["inv-B"], ["B-provider", "b-provider"])
+    finally:
+        drop_database(base_dsn, dsn)
 
 
 # -- the test clock is test-only ------------------------------------------------------------

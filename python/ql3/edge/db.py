@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -89,6 +90,11 @@ def uuid_v7() -> str:
     return str(uuid.UUID(int=value))
 
 
+_PG_UUID: Final = re.compile(r"(\{)?[0-9a-fA-F]{4}(?:-?[0-9a-fA-F]{4}){7}(?(1)\})")
+"""What PostgreSQL's uuid input takes: 32 hex digits, either case, a hyphen allowed after
+any group of four but the last, optionally in braces; no spaces, no ``urn:uuid:``."""
+
+
 def parse_uuid(value: object) -> str | None:
     """The canonical spelling of a uuid argument (None stays None).
 
@@ -100,11 +106,8 @@ def parse_uuid(value: object) -> str | None:
         return None
     if isinstance(value, uuid.UUID):
         return str(value)
-    if isinstance(value, str):
-        try:
-            return str(uuid.UUID(value.strip()))
-        except ValueError:
-            pass
+    if isinstance(value, str) and _PG_UUID.fullmatch(value):
+        return str(uuid.UUID(value))
     raise errors.InvalidArgument(
         f'QL3_INVALID_ARGUMENT: invalid input syntax for type uuid: "{str(value)[:64]}"'
     )

@@ -11,7 +11,7 @@ the comments name the SQL they mirror where the translation is not obvious. The 
 from __future__ import annotations
 
 import sqlite3
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from ql3 import canonical, errors
@@ -37,6 +37,7 @@ from ql3.invocations import (
     RESOLUTION_SCHEMA,
     START_SCHEMA,
     completion_command,
+    recovery_arguments,
 )
 
 ADMISSION_FIELDS: Final = (
@@ -669,18 +670,8 @@ def resolve_invocation(tx: Tx, command: Any) -> Row:
 
 
 def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 10000:
-        invalid("limit must be 1..10000")
-    if (
-        not isinstance(grace_seconds, int | float)
-        or isinstance(grace_seconds, bool)
-        or not grace_seconds >= 0
-    ):
-        invalid("grace must be a non-negative interval")
-    try:
-        horizon = utc_text(tx.now - timedelta(seconds=grace_seconds))
-    except OverflowError:
-        return {"count": 0, "recovered": []}
+    batch, grace = recovery_arguments(limit, grace_seconds)
+    horizon = utc_text(tx.now - grace)
     # An unfinished start is exactly the current invocation of a running step, so the scan
     # walks running steps (a partial index), never the whole start history.
     expired = tx.all(
@@ -690,7 +681,7 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
         " AND NOT EXISTS (SELECT 1 FROM model_invocation_completions AS c"
         " WHERE c.invocation_id = st.invocation_id)"
         " ORDER BY st.deadline_at, st.invocation_id LIMIT ?",
-        (horizon, limit),
+        (horizon, batch),
     )
     recovered: list[dict[str, Any]] = []
     for start in expired:

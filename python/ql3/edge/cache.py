@@ -6,11 +6,22 @@ cannot run over the SQLite shim; this is the same contract, cut down to one proc
 - **Messages are hints ordered by pointer_version.** The ``EdgeRelay`` subscription
   delivers each outbox event; one newer than the cached pointer_version drops the entry
   and reloads it from the store (and fires ``on_change``); older or equal ones are ignored.
+  The entry is dropped *before* the reload: a reload that fails (a busy file is
+  ``QL3_UNAVAILABLE``) is logged and leaves no entry, so the next lookup reloads and fails
+  closed rather than serve what the hint said is gone (the relay does not send it again).
 - **Fallback.** An entry older than its family's max staleness is re-verified against the
-  active pointer before use (one ``active_pointers`` call for every stale entry).
+  active pointer before use (one ``active_pointers`` call for every stale entry); one
+  whose pointer moved, or names another revision at the same pointer_version, is reloaded.
+- **Degraded without a relay.** With no subscription (none given, or after ``close``)
+  nothing announces a change, so every lookup verifies its entry first: one single-key
+  ``active_pointers`` read of the local file (a reload would also hash the body).
+- **One snapshot per load.** The pointer and the revision it names are read in one read
+  transaction (``EdgeStore.active_revisions``), as ``ql3.cache`` reads them in one
+  statement: never "none active" paired with the pointer_version of an activation.
 - **Fail closed.** No active revision raises ``NotFound``; a body whose hash does not
   match ``body_hash`` is refused (``BodyHashMismatch``).
-- **Monotonic.** An entry is only replaced by one with a pointer_version at least as high.
+- **Monotonic.** Loads run one at a time under the cache's lock and read the store as it
+  is now, so an entry is never replaced by one with a lower pointer_version.
 
 ``get_effective`` and ``verify_all`` are coroutines, as ``RevisionCache``'s are, so the
 model gateway (``PolicySource``) and the provider adapter (``TopologySource``) take this
@@ -33,6 +44,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ql3 import canonical, errors
+from ql3.logs import describe_error
 
 if TYPE_CHECKING:
     from ql3.cache import EffectiveRevision
@@ -94,6 +106,11 @@ class EdgeRevisionCache:
     def staleness(self, contract_family: str) -> float:
         return self._staleness.get(contract_family, DEFAULT_STALENESS)
 
+    @property
+    def degraded(self) -> bool:
+        """No relay subscription: no change is announced, so every use is verified."""
+        return self._unsubscribe is None
+
     async def get_effective(
         self, project_id: str, contract_family: str, contract_id: str
     ) -> EffectiveRevision:
@@ -107,12 +124,19 @@ class EdgeRevisionCache:
         self.verify()
 
     def lookup(self, project_id: str, contract_family: str, contract_id: str) -> EffectiveRevision:
-        """The active revision of a contract, verified when older than its family budget."""
+        """The active revision of a contract.
+
+        Its entry is verified first when the cache is degraded or the entry is older than
+        its family budget. Raises ``NotFound`` when no revision is active,
+        ``BodyHashMismatch`` for a body that does not match its hash and ``Unavailable``
+        when the store cannot be read.
+        """
         key = (project_id, contract_family, contract_id)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and time.monotonic() - entry.verified_mono > self.staleness(
-                contract_family
+            if entry is not None and (
+                self.degraded
+                or time.monotonic() - entry.verified_mono > self.staleness(contract_family)
             ):
                 self.verify([key])
                 entry = self._entries.get(key)
@@ -141,11 +165,13 @@ class EdgeRevisionCache:
                     and row["revision_id"] == current
                 ):
                     entry.verified_mono = now
-                elif row["pointer_version"] > entry.pointer_version:
-                    moved.append(key)
+                elif row["pointer_version"] >= entry.pointer_version:
+                    moved.append(key)  # newer, or another revision at the same version
             self.verifications += 1
+            # Dropped first: should a reload fail, the next lookup reloads (fail closed).
+            replaced = {key: self._entries.pop(key) for key in moved}
             for key in moved:
-                self._load(key)
+                self._load(key, replaced[key])
             return moved
 
     def _on_message(self, channel: str, message: dict[str, Any]) -> None:
@@ -168,17 +194,33 @@ class EdgeRevisionCache:
         key = (message["project_id"], message["contract_family"], message["contract_id"])
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and int(message["pointer_version"]) > entry.pointer_version:
-                self._load(key)
+            if entry is None or int(message["pointer_version"]) <= entry.pointer_version:
+                return
+            # Dropped before the reload: the hint is not delivered again, so if the reload
+            # fails the next lookup must reload (and fail closed), not serve this entry.
+            del self._entries[key]
+            try:
+                self._load(key, entry)
+            except Exception as exc:  # on the loop or the relay's thread: nobody to raise to
+                log.warning(
+                    "edge cache: reload of %s after a hint failed, it reloads on next use: %s",
+                    "/".join(key),
+                    describe_error(exc),
+                    exc_info=not isinstance(exc, errors.Ql3Error),
+                )
 
-    def _load(self, key: Key) -> _Entry:
+    def _load(self, key: Key, replaced: _Entry | None = None) -> _Entry:
+        """Read the key's pointer and active revision in one snapshot and install them.
+
+        Callers hold the lock and have no entry for ``key`` (``replaced`` is the one they
+        dropped, for ``on_change``).
+        """
         from ql3.cache import BodyHashMismatch, EffectiveRevision
 
-        row = self.store.active_revision(*key)
+        row = self.store.active_revisions([key])[0]
         now_wall = datetime.now(UTC)
-        if row is None:
-            pointer = self.store.active_pointers([key])[0]
-            loaded = _Entry(None, int(pointer["pointer_version"]), time.monotonic())
+        if row["revision_id"] is None:
+            loaded = _Entry(None, int(row["pointer_version"]), time.monotonic())
         else:
             if canonical.digest(BODY_DOMAIN, row["body"]) != row["body_hash"]:
                 raise BodyHashMismatch(
@@ -198,12 +240,9 @@ class EdgeRevisionCache:
             )
             loaded = _Entry(revision, revision.pointer_version, time.monotonic())
         self.reloads += 1
-        previous = self._entries.get(key)
-        if previous is not None and previous.pointer_version > loaded.pointer_version:
-            return previous
         self._entries[key] = loaded
-        changed = previous is None or (
-            (previous.revision and previous.revision.revision_id)
+        changed = replaced is None or (
+            (replaced.revision and replaced.revision.revision_id)
             != (loaded.revision and loaded.revision.revision_id)
         )
         if changed and loaded.revision is not None:
@@ -229,9 +268,10 @@ class EdgeRevisionCache:
                 log.warning("a coroutine on_change callback fired outside an event loop")
 
     def health(self) -> dict[str, Any]:
-        """Counters and mode: ``normal`` while subscribed to a relay, else ``degraded``."""
+        """Counters and mode: ``normal`` while subscribed to a relay, else ``degraded``
+        (every lookup verified against the active pointer first)."""
         return {
-            "mode": "normal" if self._unsubscribe is not None else "degraded",
+            "mode": "degraded" if self.degraded else "normal",
             "entries": len(self._entries),
             "messages": self.messages,
             "reloads": self.reloads,

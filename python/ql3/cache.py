@@ -12,10 +12,16 @@ Why it is built this way:
   entry and reloads it from the database. A load whose snapshot is older than a hint
   already received is not installed; a load that *started after* the hint arrived and
   still sees an older pointer means the database does not confirm the hint, and the
-  database wins (a forged or corrupt message cannot lock a contract out).
+  database wins (a forged or corrupt message cannot lock a contract out). A lower message
+  that arrived after that load was sent is read again, so a forged hint hides no real
+  activation (one more read per message: forged messages cannot make it loop).
 - **Monotonic.** An entry is only ever replaced by one whose pointer_version is at least
   as high, so a worker never serves a revision older than one it has already served or
-  verified, whatever order concurrent loads finish in.
+  verified, whatever order concurrent loads finish in. A revision refused for its body hash
+  stays the key's hint, so an older load finishing later cannot install what it replaced.
+- **A read counts as of when it was sent.** Verifications and loads are stamped with the
+  time their query was sent, not the time it answered, and one sent before the entries
+  were marked unverified (resubscription, end of degraded mode) verifies nothing.
 - **Fallback.** An entry older than its family's max staleness (``ql3.contract_families``)
   is re-verified before use; a background pass re-verifies entries at half their budget
   in one round trip, so lost messages are repaired within the budget even for entries
@@ -140,6 +146,29 @@ class _Revision:
 
 
 @dataclass
+class _Hint:
+    """The highest pointer_version announced for a key (message or verification), pending.
+
+    A read sent before ``tick`` may predate it; one sent after and still older means the
+    database does not confirm it. ``below`` is (highest lower version, tick of the last
+    such message) of messages that came after it: they may be real even if it is not.
+    """
+
+    version: int
+    tick: int
+    below: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """When a read was sent: its answer is only known to hold as of then."""
+
+    tick: int
+    mono: float
+    wall: float
+
+
+@dataclass
 class _Entry:
     """One key's state: its revision (None = none active) at one pointer_version."""
 
@@ -221,13 +250,14 @@ class RevisionCache:
 
         self._entries: dict[Key, _Entry] = {}
         self._known: set[Key] = set()
-        self._hints: dict[Key, tuple[int, int]] = {}  # key -> (pointer_version, tick)
+        self._hints: dict[Key, _Hint] = {}
         self._load_errors: dict[Key, errors.Ql3Error] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._last_revision_id: dict[Key, str | None] = {}
         self._callbacks: dict[tuple[str, str], list[ChangeCallback]] = {}
         self._family_staleness: dict[str, float] = {}
         self._ticks = itertools.count(1)
+        self._unverified_tick = 0  # reads sent before it verify nothing
 
         self._mode: Mode = "starting"
         self._subscribed = False
@@ -289,8 +319,10 @@ class RevisionCache:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        for pending in list(self._callback_tasks):
+        callbacks = list(self._callback_tasks)
+        for pending in callbacks:
             pending.cancel()
+        await asyncio.gather(*callbacks, return_exceptions=True)
         if self._redis is not None:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._redis.aclose()
@@ -387,7 +419,7 @@ class RevisionCache:
 
     def _hinted_newer(self, key: Key, entry: _Entry) -> bool:
         hint = self._hints.get(key)
-        return hint is not None and hint[0] > entry.pointer_version
+        return hint is not None and hint.version > entry.pointer_version
 
     def _usable(self, key: Key, entry: _Entry, since: float) -> bool:
         if self._hinted_newer(key, entry):
@@ -481,8 +513,8 @@ class RevisionCache:
 
     async def _verify(self, keys: Sequence[Key]) -> list[Key]:
         """Check entries against their active pointers; the keys that moved are dropped."""
+        sent = self._sent()
         rows = await self._query(_VERIFY_SQL, keys)
-        now_mono, now_wall = time.monotonic(), time.time()
         changed: list[Key] = []
         for row in rows:
             key = (row["project_id"], row["contract_family"], row["contract_id"])
@@ -493,11 +525,13 @@ class RevisionCache:
             revision_id = None if row["revision_id"] is None else str(row["revision_id"])
             current = None if entry.revision is None else entry.revision.revision_id
             if version == entry.pointer_version and revision_id == current:
-                entry.verified_mono, entry.verified_wall = now_mono, now_wall
+                self._stamp(entry, sent)
             elif version > entry.pointer_version:
                 # Seen in the database: no load from an older snapshot may undo it.
                 del self._entries[key]
-                self._hints[key] = (version, next(self._ticks))
+                hint = self._hints.get(key)
+                if hint is None or hint.version < version:
+                    self._hints[key] = _Hint(version, next(self._ticks))
                 changed.append(key)
             else:
                 _log(
@@ -508,19 +542,33 @@ class RevisionCache:
                     database=version,
                 )
         self._verifications += 1
-        self._last_verification = now_wall
+        self._last_verification = sent.wall
         return changed
+
+    def _sent(self) -> _Sent:
+        """Take before sending a read: its answer holds as of this moment, not later."""
+        return _Sent(next(self._ticks), time.monotonic(), time.time())
+
+    def _verified_mono(self, sent: _Sent) -> float:
+        """What a read sent at ``sent`` verifies: nothing if sent before the entries were
+        marked unverified (what it answers may predate a lost message)."""
+        return sent.mono if sent.tick > self._unverified_tick else -math.inf
+
+    def _stamp(self, entry: _Entry, sent: _Sent) -> None:
+        verified = self._verified_mono(sent)
+        if verified > entry.verified_mono:
+            entry.verified_mono, entry.verified_wall = verified, sent.wall
 
     async def _load(self, keys: Sequence[Key]) -> None:
         """Read the active revisions of keys in one round trip and install what is newer."""
         for key in keys:
             self._load_errors.pop(key, None)
-        tick = next(self._ticks)
+        sent = self._sent()
         loaded = await self._read_active(keys)  # a failed read raises to the caller itself
         self._reloads += 1
         for key, row in loaded:
             try:
-                self._install(key, row, tick)
+                self._install(key, row, sent)
             except errors.Ql3Error as exc:
                 self._load_errors[key] = exc
 
@@ -533,24 +581,30 @@ class RevisionCache:
         rows = await self._query(_LOAD_SQL, keys)
         return [((r["project_id"], r["contract_family"], r["contract_id"]), r) for r in rows]
 
-    def _install(self, key: Key, row: Mapping[str, Any], tick: int) -> None:
+    def _install(self, key: Key, row: Mapping[str, Any], sent: _Sent) -> None:
         version = int(row["pointer_version"])
         entry = self._entries.get(key)
         if entry is not None and version < entry.pointer_version:
             return  # an older snapshot finished late: never go backwards
         hint = self._hints.get(key)
-        if hint is not None and version < hint[0]:
-            if tick < hint[1]:
+        if hint is not None and version < hint.version:
+            if sent.tick < hint.tick:
                 return  # read before the hint arrived; the reload it scheduled will follow
+            below = hint.below
+            if below is not None and sent.tick < below[1] and version < below[0]:
+                # The hint is not confirmed, but a lower message came after this read was
+                # sent (a real activation the hint hid): read once more for that one.
+                self._hints[key] = _Hint(*below)
+                self._reload_queue.add(key)
+                self._reload_wake.set()
+                return
             _log(
                 logging.WARNING,
                 "cache_hint_not_confirmed",
                 key=list(key),
-                hinted=hint[0],
+                hinted=hint.version,
                 database=version,
             )
-        if hint is not None:
-            del self._hints[key]
         revision: _Revision | None = None
         if row["revision_id"] is not None:
             body = row["body"]
@@ -558,6 +612,9 @@ class RevisionCache:
             actual = canonical.digest(BODY_DOMAIN, body) if isinstance(body, dict) else None
             if actual != expected:
                 self._entries.pop(key, None)
+                # Seen in the database: a load sent earlier must not install the older
+                # revision it replaced (the caller gets this refusal instead).
+                self._hints[key] = _Hint(version, sent.tick)
                 _log(
                     logging.ERROR,
                     "cache_body_hash_mismatch",
@@ -576,21 +633,21 @@ class RevisionCache:
                 body=body,
                 body_hash=expected,
             )
-        now_mono, now_wall = time.monotonic(), time.time()
+        self._hints.pop(key, None)
         same = (
             entry is not None
             and entry.pointer_version == version
             and (entry.revision is None) == (revision is None)
         )
         if same and entry is not None:
-            entry.verified_mono, entry.verified_wall = now_mono, now_wall
+            self._stamp(entry, sent)
         else:
             self._entries[key] = _Entry(
                 revision=revision,
                 pointer_version=version,
-                cached_wall=now_wall,
-                verified_mono=now_mono,
-                verified_wall=now_wall,
+                cached_wall=sent.wall,
+                verified_mono=self._verified_mono(sent),
+                verified_wall=sent.wall,
             )
         self._load_errors.pop(key, None)
         new_id = None if revision is None else revision.revision_id
@@ -645,6 +702,7 @@ class RevisionCache:
             self._mark_all_unverified()
 
     def _mark_all_unverified(self) -> None:
+        self._unverified_tick = next(self._ticks)
         for entry in self._entries.values():
             entry.verified_mono = -math.inf
         self._verify_wake.set()
@@ -746,10 +804,16 @@ class RevisionCache:
                         self._on_message(message.get("channel"), message.get("data"))
             except asyncio.CancelledError:
                 raise
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # Redis errors, and bugs: never stop subscribing
                 reraise_if_cancelled()
                 failures += 1
-                if self._subscribed or failures == 1:
+                if not isinstance(exc, REDIS_ERRORS):
+                    log.error(
+                        "cache_subscription_lost",
+                        exc_info=True,
+                        extra={"ql3": {"error": repr(exc)}},
+                    )
+                elif self._subscribed or failures == 1:
                     _log(logging.WARNING, "cache_subscription_lost", error=str(exc))
                 self._subscribed = False
                 self._set_mode(self._live_mode())
@@ -788,7 +852,7 @@ class RevisionCache:
             self._on_event(channel_name, doc)
             self._messages += 1
             self._last_message = now
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+        except Exception as exc:  # any malformed message: too deep (RecursionError) too
             self._malformed += 1
             _log(
                 logging.WARNING,
@@ -821,9 +885,12 @@ class RevisionCache:
         if entry is not None and version <= entry.pointer_version:
             return  # a duplicate or a late message: the cache already has this or newer
         hint = self._hints.get(key)
-        if hint is not None and hint[0] >= version:
+        if hint is not None and hint.version >= version:
+            if version < hint.version:  # may be real even if the hint is not (_install)
+                highest = version if hint.below is None else max(version, hint.below[0])
+                hint.below = (highest, next(self._ticks))
             return
-        self._hints[key] = (version, next(self._ticks))
+        self._hints[key] = _Hint(version, next(self._ticks))
         self._entries.pop(key, None)
         self._reload_queue.add(key)
         self._reload_wake.set()

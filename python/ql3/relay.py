@@ -8,7 +8,10 @@ ordered by ``pointer_version``). A dedicated autocommit connection LISTENs on
 ``ql3_contract_outbox`` to wake the loop at once; a poll every ``poll_interval`` seconds
 covers notifications lost while disconnected, and every (re)connection starts with a sweep.
 The LISTEN connection lives apart from the work connections: when it alone is lost it is
-opened again, LISTENs and sweeps on its own, and no batch in flight notices.
+opened again, LISTENs and sweeps on its own, and no batch in flight notices. Every query on
+a work connection is bounded by ``postgres_timeout``: one cut silently (a partition: no
+FIN, no RST) is then a PostgreSQL failure like any other, and what it had claimed without
+committing is claimed again later.
 
 Throughput (a backlog drains at tens of thousands of events a second): the claim returns
 text that ``event_payload`` formats without ``json.dumps``; a batch goes to Redis as one
@@ -34,17 +37,18 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
 from operator import itemgetter
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import psycopg
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -63,6 +67,16 @@ WORK_APPLICATION_NAME = "ql3-relay"
 # Work connections carry this in their startup packet (no SET round trip): a relay wedged
 # mid-batch must not hold its rows for ever.
 WORK_OPTIONS = "-c idle_in_transaction_session_timeout=60s"
+# TCP keepalives on every relay connection (unless its conninfo sets them), so a dead peer
+# is noticed by the kernel whatever its defaults; tcp_user_timeout follows postgres_timeout.
+KEEPALIVES = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+}
+
+T = TypeVar("T")
 
 log = logging.getLogger("ql3.relay")
 
@@ -175,18 +189,27 @@ def publish_args(channel_prefix: str, rows: Sequence[ClaimedRow]) -> list[str]:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for logs."""
+    """The URL with any password replaced, for logs: the one in the userinfo and those in
+    the query string (``?password=...``, ``?ssl_password=...``, which redis-py accepts).
+    The rest stays as written (``[IPv6]`` brackets, ``unix:///path``)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable url>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    redacted = url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    if ":" in userinfo:
+        user = userinfo.partition(":")[0]
+        redacted = redacted.replace(f"//{parts.netloc}", f"//{user}:***@{hostport}", 1)
+    if parts.query:
+        fields = []
+        for field in parts.query.split("&"):
+            name, eq, _ = field.partition("=")
+            if eq and unquote(name).lower().endswith("password"):
+                field = f"{name}=***"
+            fields.append(field)
+        redacted = redacted.replace(f"?{parts.query}", "?" + "&".join(fields), 1)
+    return redacted
 
 
 def make_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:
@@ -222,6 +245,13 @@ class RelayConfig:
     # A silently cut LISTEN connection (no FIN, no RST) would wait forever: every this many
     # seconds it must answer a SELECT 1 within min(5, interval) seconds or be opened again.
     listen_probe_interval: float = 30.0
+    # A work connection cut silently would wait forever too: a claim, mark or backlog query
+    # that has no answer after this many seconds is a PostgreSQL failure (the connection is
+    # cut and opened again; what it had claimed and not committed is claimed again later).
+    postgres_timeout: float = 30.0
+    # After a stop request, database work in flight gets at most this long before its
+    # connection is cut: a hung batch must not hold a SIGTERM for postgres_timeout.
+    stop_grace: float = 5.0
     backoff_initial: float = 0.1
     backoff_max: float = 10.0
     redis_timeout: float = 5.0
@@ -236,6 +266,8 @@ class RelayConfig:
             raise ValueError("batch must be 1..10000")
         if min(self.poll_interval, self.heartbeat_interval, self.listen_probe_interval) <= 0:
             raise ValueError("poll, heartbeat and listen probe intervals must be positive")
+        if min(self.postgres_timeout, self.stop_grace) <= 0:
+            raise ValueError("postgres timeout and stop grace must be positive")
         if not self.channel_prefix:
             raise ValueError("channel prefix must not be empty")
 
@@ -296,6 +328,78 @@ class _ListenerLost(Exception):
     """The LISTEN connection did not answer its liveness probe in time."""
 
 
+class PostgresTimeout(psycopg.OperationalError):
+    """A relay connection gave no answer in time and was cut (a PostgreSQL failure)."""
+
+
+def _cut(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shut the connection's socket down under libpq, which then fails the call waiting on
+    it at once, as on a lost connection. The descriptor stays libpq's (and the event
+    loop's) until the connection is closed."""
+    with contextlib.suppress(OSError, psycopg.Error):
+        sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
+        with sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Deadline:
+    """When a call on a connection is given up: at that moment the connection is cut."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], limit: float) -> None:
+        self._conn = conn
+        self._loop = asyncio.get_running_loop()
+        self.started = self._loop.time()
+        self.expired = False
+        self._at = self.started + limit
+        self._handle = self._loop.call_at(self._at, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        _cut(self._conn)
+
+    def shorten(self, seconds: float) -> None:
+        """Expire within ``seconds`` from now, if that is sooner."""
+        at = self._loop.time() + seconds
+        if at < self._at:
+            self._handle.cancel()
+            self._at = at
+            self._handle = self._loop.call_at(at, self._expire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+async def bounded(
+    conn: psycopg.AsyncConnection[Any],
+    call: Awaitable[T],
+    limit: float,
+    *,
+    in_flight: set[_Deadline] | None = None,
+) -> T:
+    """``call`` on ``conn``, or ``PostgresTimeout`` after ``limit`` seconds without an answer
+    (sooner if its deadline, kept in ``in_flight`` meanwhile, is shortened).
+
+    Cancelling a query is no good on a silently cut connection: psycopg then waits for the
+    server to confirm the cancel. So at the deadline the socket is cut, and the call fails
+    on its own; asyncio's timeout a second later is only a backstop.
+    """
+    deadline = _Deadline(conn, limit)
+    if in_flight is not None:
+        in_flight.add(deadline)
+    try:
+        async with asyncio.timeout(limit + 1.0):
+            return await call
+    except (psycopg.Error, TimeoutError) as exc:
+        if deadline.expired:
+            waited = asyncio.get_running_loop().time() - deadline.started
+            raise PostgresTimeout(f"no answer from PostgreSQL after {waited:.3g} s") from exc
+        raise
+    finally:
+        deadline.cancel()
+        if in_flight is not None:
+            in_flight.discard(deadline)
+
+
 class Relay:
     """One relay process's worth of state; ``run`` until ``request_stop``.
 
@@ -330,6 +434,7 @@ class Relay:
         self._redis_failing = False
         self._last_cycle_at: float | None = None
         self._last_backlog_at = 0.0
+        self._in_flight: set[_Deadline] = set()  # database calls on the work connections
         self.metrics_port: int | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -354,10 +459,16 @@ class Relay:
             raise TimeoutError(f"relay not ready after {timeout}s")
 
     def request_stop(self) -> None:
-        """Finish the batch in flight, then leave ``run`` (the SIGTERM handler)."""
+        """Finish the batch in flight, then leave ``run`` (the SIGTERM handler).
+
+        The batch's database work gets ``stop_grace`` seconds at most: a healthy one takes
+        milliseconds, a hung one is given up (its rows are claimed again later).
+        """
         if not self._stop.is_set():
             _log(logging.INFO, "stop_requested", relay_id=self.relay_id)
         self._stop.set()
+        for deadline in list(self._in_flight):
+            deadline.shorten(self.config.stop_grace)
 
     async def stop(self) -> None:
         """Request a stop and wait for ``run`` to return (or close what ``run_once`` opened)."""
@@ -423,7 +534,12 @@ class Relay:
                     await self._connect_pg()
                 self._wake.clear()
                 listened = self._listening  # this drain is the sweep after a LISTEN
-                await self._drain()
+                try:
+                    await self._drain()
+                except RedisUnavailable:
+                    # PostgreSQL still answers: the backlog must not freeze during an outage.
+                    await self._refresh_backlog()
+                    raise
                 pg_failures = redis_failures = 0
                 await self._refresh_backlog()
                 if listened:
@@ -525,9 +641,15 @@ class Relay:
     async def _connect(
         self, conninfo: str, application_name: str, options: str = ""
     ) -> psycopg.AsyncConnection[tuple[Any, ...]]:
-        """One autocommit relay connection; ``options`` go after the conninfo's own."""
+        """One autocommit relay connection; ``options`` go after the conninfo's own, and
+        keepalive settings the conninfo does not make are ours."""
+        given = conninfo_to_dict(conninfo)
+        tcp = dict(KEEPALIVES)
+        if psycopg.pq.version() >= 120000:  # libpq knows tcp_user_timeout since 12
+            tcp["tcp_user_timeout"] = str(round(self.config.postgres_timeout * 1000))
+        ours = {name: value for name, value in tcp.items() if name not in given}
         return await psycopg.AsyncConnection.connect(
-            conninfo,
+            make_conninfo(conninfo, **ours),
             autocommit=True,
             connect_timeout=5,
             application_name=application_name,
@@ -605,8 +727,8 @@ class Relay:
         """Raises ``_ListenerLost`` unless the LISTEN connection answers a SELECT 1 in time."""
         limit = min(5.0, self.config.listen_probe_interval)
         try:
-            await asyncio.wait_for(conn.execute("SELECT 1"), limit)
-        except TimeoutError as exc:
+            await bounded(conn, conn.execute("SELECT 1"), limit)
+        except PostgresTimeout as exc:
             raise _ListenerLost(f"no answer to a liveness probe within {limit:g} s") from exc
 
     async def _close_pg(self) -> None:
@@ -639,36 +761,60 @@ class Relay:
             await self._connect_pg()
         conn = self._work
         assert conn is not None
-        rows = await self._claim(conn)
-        failure = await self._try_publish(conn, rows)
-        await self._settle(conn, rows, failure)
+        try:
+            rows = await self._claim(conn)
+            failure = await self._try_publish(conn, rows)
+            await self._settle(conn, rows, failure)
+        except psycopg.Error:
+            await self._close_pg()  # the next call opens new ones
+            raise
         if failure is not None:
             raise RedisUnavailable(describe_error(failure)) from failure
         return len(rows)
 
     async def _claim(self, conn: psycopg.AsyncConnection[Any]) -> list[ClaimedRow]:
         """BEGIN and claim a batch; the transaction stays open until ``_settle``."""
-        await conn.execute("BEGIN")
-        try:
+
+        async def begin_and_claim() -> list[ClaimedRow]:
+            await conn.execute("BEGIN")
             cur = await conn.execute(CLAIM_SQL, (self.config.batch,))
             rows: list[ClaimedRow] = await cur.fetchall()
+            return rows
+
+        try:
+            return await self._bounded(conn, begin_and_claim())
         except BaseException:
-            await _rollback_quietly(conn)
+            await self._rollback_quietly(conn)
             raise
-        return rows
+
+    async def _bounded(self, conn: psycopg.AsyncConnection[Any], call: Awaitable[T]) -> T:
+        """``call`` on a work connection, bounded by ``postgres_timeout`` (or, once a stop
+        is requested, by ``stop_grace``)."""
+        limit = self.config.postgres_timeout
+        if self._stop.is_set():
+            limit = min(limit, self.config.stop_grace)
+        return await bounded(conn, call, limit, in_flight=self._in_flight)
+
+    async def _rollback_quietly(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """End a failed batch's transaction if the connection still can (it may be gone)."""
+        with contextlib.suppress(Exception):
+            await self._bounded(conn, conn.execute("ROLLBACK"))
 
     async def _try_publish(
         self, conn: psycopg.AsyncConnection[Any], rows: Sequence[ClaimedRow]
     ) -> BaseException | None:
         """Publish a claimed batch; the Redis error if that failed (rows to mark failed)."""
-        if not rows:
+        if not rows and not self._redis_failing:
             return None
+        # While failing, even an empty batch goes to Redis: the script, publishing nothing,
+        # is the probe that tells an idle relay (another one delivered its rows) that Redis
+        # is back. Only a delivery cycle clears the failure, never a heartbeat.
         try:
             await self._publish(rows)
         except REDIS_ERRORS as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
-                await _rollback_quietly(conn)
+                await self._rollback_quietly(conn)
                 raise asyncio.CancelledError from exc
             self._redis_ok = False
             self._redis_failing = True
@@ -676,7 +822,7 @@ class Relay:
             self.metrics.failures.labels(target="redis").inc()
             return exc
         except BaseException:
-            await _rollback_quietly(conn)
+            await self._rollback_quietly(conn)
             raise
         if self._redis_failing:
             self.metrics.reconnects.labels(target="redis").inc()
@@ -692,7 +838,8 @@ class Relay:
         failure: BaseException | None,
     ) -> None:
         """Mark the claimed rows delivered (failed, given a Redis error) and COMMIT."""
-        try:
+
+        async def mark_and_commit() -> None:
             if rows:
                 seqs = [row[0] for row in rows]
                 if failure is None:
@@ -703,8 +850,11 @@ class Relay:
                         (seqs, describe_error(failure)),
                     )
             await conn.execute("COMMIT")
+
+        try:
+            await self._bounded(conn, mark_and_commit())
         except BaseException:
-            await _rollback_quietly(conn)
+            await self._rollback_quietly(conn)
             raise
         self._last_cycle_at = time.monotonic()
         self._pg_ok = True
@@ -753,13 +903,18 @@ class Relay:
 
     async def _refresh_backlog(self) -> None:
         now = time.monotonic()
-        if self._work is None or now - self._last_backlog_at < self.config.poll_interval:
+        conn = self._work
+        if conn is None or now - self._last_backlog_at < self.config.poll_interval:
             return
         self._last_backlog_at = now
-        cur = await self._work.execute(
-            "SELECT undelivered, oldest_age_seconds, max_seq FROM ql3.outbox_backlog()"
-        )
-        row = await cur.fetchone()
+
+        async def read_backlog() -> tuple[Any, ...] | None:
+            cur = await conn.execute(
+                "SELECT undelivered, oldest_age_seconds, max_seq FROM ql3.outbox_backlog()"
+            )
+            return await cur.fetchone()
+
+        row = await self._bounded(conn, read_backlog())
         if row is None:
             return
         undelivered, oldest_age, max_seq = row
@@ -807,7 +962,8 @@ class Relay:
                         )
                     warned = True
                 else:
-                    self._redis_ok = True
+                    if not self._redis_failing:  # a batch may have failed meanwhile
+                        self._redis_ok = True
                     warned = False
                     self.metrics.heartbeats.inc()
             await self._sleep(self.config.heartbeat_interval)
@@ -846,12 +1002,6 @@ class Relay:
         self.metrics_port = None if self._http is None else self._http.port
 
 
-async def _rollback_quietly(conn: psycopg.AsyncConnection[Any]) -> None:
-    """End a failed batch's transaction if the connection still can (it may be gone)."""
-    with contextlib.suppress(Exception):
-        await conn.execute("ROLLBACK")
-
-
 # -- command line ----------------------------------------------------------------------
 
 
@@ -885,6 +1035,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds between liveness probes of the LISTEN connection "
         "(env QL3_RELAY_LISTEN_PROBE_INTERVAL; default 30)",
+    )
+    a(
+        "--postgres-timeout",
+        type=float,
+        help="seconds a claim, mark or backlog query may go unanswered before its connection "
+        "is given up and opened again (env QL3_RELAY_POSTGRES_TIMEOUT; default 30)",
     )
     a(
         "--backoff-max",
@@ -943,6 +1099,7 @@ def config_from_args(
         listen_probe_interval=number(
             "listen_probe_interval", "QL3_RELAY_LISTEN_PROBE_INTERVAL", 30.0, float
         ),
+        postgres_timeout=number("postgres_timeout", "QL3_RELAY_POSTGRES_TIMEOUT", 30.0, float),
         backoff_max=number("backoff_max", "QL3_RELAY_BACKOFF_MAX", 10.0, float),
         metrics_host=str(pick("metrics_host", "QL3_RELAY_METRICS_HOST") or "127.0.0.1"),
         metrics_port=number("metrics_port", "QL3_RELAY_METRICS_PORT", DEFAULT_METRICS_PORT, int),

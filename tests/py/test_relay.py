@@ -878,6 +878,20 @@ def test_passwords_never_reach_the_logs() -> None:
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
+def test_passwords_in_the_query_string_are_redacted_and_ipv6_hosts_keep_their_brackets() -> None:
+    assert redact_url("redis://host:6379/0?password=s3cret") == "redis://host:6379/0?password=***"
+    assert (
+        redact_url("rediss://h/0?ssl_ca_certs=/etc/ca.pem&ssl_password=s3cret&PASSWORD=x")
+        == "rediss://h/0?ssl_ca_certs=/etc/ca.pem&ssl_password=***&PASSWORD=***"
+    )
+    assert redact_url("redis://:pw@[::1]:6379/0") == "redis://:***@[::1]:6379/0"
+    assert redact_url("redis://u:pw@[fe80::1%25eth0]/0") == "redis://u:***@[fe80::1%25eth0]/0"
+    assert redact_url("redis://[::1]:6379/0?db=1") == "redis://[::1]:6379/0?db=1"
+    assert redact_url("unix:///run/redis.sock?password=s3cret&db=2") == (
+        "unix:///run/redis.sock?password=***&db=2"
+    )
+
+
 def test_log_lines_are_json_with_the_structured_fields() -> None:
     record = logging.LogRecord("ql3.relay", logging.WARNING, __file__, 1, "redis_backoff", (), None)
     record.ql3 = {"attempt": 3, "error": "ConnectionError"}

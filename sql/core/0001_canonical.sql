@@ -247,7 +247,9 @@ COMMENT ON FUNCTION ql3.jcs(jsonb) IS
 
 -- The digest framing of SPEC 2, once: lowercase hex SHA-256 of UTF-8(domain) || 0x00 ||
 -- UTF-8(canonical text). One SELECT of one expression, no SET clause, STABLE (as
--- convert_to is): the planner inlines it into its callers, hot paths included.
+-- convert_to is): the planner inlines it into its callers, hot paths included. Inlined, its
+-- body is parsed under the caller's settings, so the zero byte is decode('00', 'hex'), not
+-- a '\x00' literal, which standard_conforming_strings = off would read as an escape.
 CREATE FUNCTION ql3._framed_digest(domain text, canonical text)
 RETURNS text
 LANGUAGE sql
@@ -256,7 +258,7 @@ PARALLEL SAFE
 SECURITY INVOKER
 AS $function$
     SELECT encode(
-        sha256(convert_to(domain, 'UTF8') || '\x00'::bytea || convert_to(canonical, 'UTF8')), 'hex'
+        sha256(convert_to(domain, 'UTF8') || decode('00', 'hex') || convert_to(canonical, 'UTF8')), 'hex'
     )
 $function$;
 

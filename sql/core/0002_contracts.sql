@@ -497,6 +497,15 @@ BEGIN
             updated_by = p_actor
         WHERE a.project_id = revision.project_id AND a.contract_family = revision.contract_family
           AND a.contract_id = revision.contract_id;
+    ELSE
+        -- The pointer does not change, but its row gets a new version all the same: an
+        -- activation of this revision whose REPEATABLE READ or SERIALIZABLE snapshot predates
+        -- this revocation cannot see it, and would activate a revoked revision; updating
+        -- the row it locks makes that activation fail with a serialization error (D33).
+        UPDATE ql3.active_revisions AS a
+        SET pointer_version = a.pointer_version
+        WHERE a.project_id = revision.project_id AND a.contract_family = revision.contract_family
+          AND a.contract_id = revision.contract_id;
     END IF;
 
     INSERT INTO ql3.contract_outbox

@@ -106,6 +106,38 @@ CREATE TRIGGER step_run_mutations_no_truncate
 BEFORE TRUNCATE ON ql3.step_run_mutations
 FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
 
+-- The step state machine (SPEC section 4) binds direct writes too: ql3_runtime and
+-- ql3_operator have UPDATE on step_runs (SPEC section 5), and an UPDATE of theirs must not
+-- make a transition the functions never make (failed -> ready, succeeded -> running...).
+-- The WHEN clause is an expression, so the functions' own, legal transitions call nothing.
+CREATE FUNCTION ql3._refuse_step_transition() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = 'Q3S01',
+        MESSAGE = format('QL3_ILLEGAL_TRANSITION: step run %s cannot go from %s to %s',
+                         OLD.step_run_id, OLD.status, NEW.status);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._refuse_step_transition() IS
+'Trigger: refuses a step status change outside the state machine of SPEC section 4.';
+
+CREATE TRIGGER step_runs_state_machine
+BEFORE UPDATE OF status ON ql3.step_runs
+FOR EACH ROW
+WHEN (
+    old.status IS DISTINCT FROM new.status
+    AND (old.status, new.status) NOT IN (
+        ('ready', 'running'),
+        ('running', 'succeeded'), ('running', 'failed'), ('running', 'timed_out'), ('running', 'lost'),
+        ('lost', 'ready'), ('lost', 'failed'), ('lost', 'cancelled')
+    )
+)
+EXECUTE FUNCTION ql3._refuse_step_transition();
+
 CREATE FUNCTION ql3.create_run(p_project_id text, p_trace_id text, p_run_id uuid DEFAULT NULL)
 RETURNS uuid
 LANGUAGE plpgsql

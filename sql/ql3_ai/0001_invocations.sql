@@ -180,6 +180,49 @@ CREATE TRIGGER usage_ledger_no_truncate
 BEFORE TRUNCATE ON ql3_ai.usage_ledger
 FOR EACH STATEMENT EXECUTE FUNCTION ql3._reject_mutation();
 
+-- Only a human resolution moves a lost step (SPEC section 4): ql3_runtime may UPDATE
+-- step_runs (SPEC section 5) but has no INSERT on resolutions, so a lost step may leave
+-- `lost`, or change its invocation or attempt count, only once a resolution of its newest
+-- start with the matching decision exists (resolve_invocation writes it before the step).
+-- The WHEN clause keeps admission and completion from calling anything (D33).
+CREATE FUNCTION ql3_ai._require_resolution() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    IF NEW.status <> 'lost' AND EXISTS (
+        SELECT 1 FROM ql3_ai.model_invocation_resolutions AS r
+        INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = r.invocation_id
+        WHERE r.invocation_id = OLD.current_invocation_id
+          AND r.step_run_id = OLD.step_run_id
+          AND r.decision = CASE NEW.status WHEN 'ready' THEN 'retry' WHEN 'failed' THEN 'fail'
+                                           WHEN 'cancelled' THEN 'cancel' END
+          AND st.attempt = (SELECT max(n.attempt) FROM ql3_ai.model_invocation_starts AS n
+                            WHERE n.run_id = OLD.run_id AND n.step_run_id = OLD.step_run_id)
+    ) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'Q3S01',
+        MESSAGE = format('QL3_ILLEGAL_TRANSITION: step run %s is lost; only a resolution of its '
+                         'invocation %s moves it', OLD.step_run_id, OLD.current_invocation_id);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai._require_resolution() IS
+'Trigger: a lost step changes only after a human resolution of its newest invocation.';
+
+CREATE TRIGGER step_runs_lost_needs_resolution
+BEFORE UPDATE ON ql3.step_runs
+FOR EACH ROW
+WHEN (
+    old.status = 'lost'
+    AND (new.status IS DISTINCT FROM old.status
+         OR new.current_invocation_id IS DISTINCT FROM old.current_invocation_id
+         OR new.attempt_count IS DISTINCT FROM old.attempt_count)
+)
+EXECUTE FUNCTION ql3_ai._require_resolution();
+
 -- Command validation helpers.
 
 -- kinds: string | integer (a JSON number >= 0 without fraction) | object | boolean,
@@ -1276,18 +1319,24 @@ BEGIN
     -- another transaction holds are skipped: their owner is completing them right now.
     -- The scan returns the start row itself, so each start is read once, and it locks
     -- the step row only (OF s): never a receipt.
+    -- The batch is chosen oldest deadline first, then settled run by run: each settlement
+    -- locks its run, and two recoveries that lock runs in one order cannot deadlock (D33).
     FOR expired IN
-        SELECT st AS start, s.version AS step_version
-        FROM ql3.step_runs AS s
-        INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
-        WHERE s.status = 'running'
-          AND st.deadline_at < horizon
-          AND NOT EXISTS (
-              SELECT 1 FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = st.invocation_id
-          )
-        ORDER BY st.deadline_at, st.invocation_id COLLATE "C"  -- byte order, whatever the database's
-        LIMIT p_limit
-        FOR UPDATE OF s SKIP LOCKED
+        SELECT b.start, b.step_version
+        FROM (
+            SELECT st AS start, s.version AS step_version, st.run_id, st.deadline_at, st.invocation_id
+            FROM ql3.step_runs AS s
+            INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
+            WHERE s.status = 'running'
+              AND st.deadline_at < horizon
+              AND NOT EXISTS (
+                  SELECT 1 FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = st.invocation_id
+              )
+            ORDER BY st.deadline_at, st.invocation_id COLLATE "C"  -- byte order, whatever the database's
+            LIMIT p_limit
+            FOR UPDATE OF s SKIP LOCKED
+        ) AS b
+        ORDER BY b.run_id, b.deadline_at, b.invocation_id COLLATE "C"
     LOOP
         start := expired.start;
         command := jsonb_build_object(

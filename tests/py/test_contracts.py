@@ -135,6 +135,29 @@ def test_revoke_of_the_active_revision_fails_closed(store: PgStore, db_dsn: str)
     assert _count(db_dsn, "contract_outbox") == 2
 
 
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_an_activation_from_a_snapshot_older_than_a_revocation_is_refused(
+    store: PgStore, db_dsn: str, isolation: str
+) -> None:
+    """D33: revoking a revision that is not active still updates the pointer row, so an
+    activation of it whose snapshot predates the revocation fails (40001) instead of
+    activating a revoked revision; at READ COMMITTED it sees the revocation (Q3R01)."""
+    one = store.put_revision("p1", FAMILY, "race", {"v": 1}, "alice")["revision_id"]
+    two = store.put_revision("p1", FAMILY, "race", {"v": 2}, "alice")["revision_id"]
+    store.activate_revision("p1", FAMILY, "race", one, "alice")
+    with psycopg.connect(role_dsn(db_dsn, "operator")) as late:
+        late.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+        late.execute("SELECT 1 FROM ql3.active_revisions LIMIT 1")  # the snapshot is taken
+        assert store.revoke_revision(two, "bob", "routes to a retired model") is not None
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            late.execute(
+                "SELECT ql3.activate_revision('p1', %s, 'race', %s::uuid, 'alice')", (FAMILY, two)
+            )
+        late.rollback()
+    active = store.active_revision("p1", FAMILY, "race")
+    assert active is not None and active["revision_id"] == one
+
+
 def test_active_pointers_answers_many_keys_in_order(store: PgStore) -> None:
     r1 = store.put_revision("p1", FAMILY, "a", {"v": 1}, "alice")
     store.activate_revision("p1", FAMILY, "a", r1["revision_id"], "alice")

@@ -44,7 +44,7 @@ SELECT plan(
         FROM jcs_vectors AS j)
     + (SELECT count(*)::integer FROM digest_vectors)
     + (SELECT 3 * count(*)::integer FROM identity_vectors)
-    + 22
+    + 23
 );
 
 -- Shared vectors -------------------------------------------------------------------------
@@ -190,6 +190,20 @@ SELECT throws_ok(
     $$SELECT ql3.mutation_id(NULL, 'admission')$$, 'Q3V01', NULL,
     'mutation_id refuses a NULL invocation_id'
 );
+
+-- A session with standard_conforming_strings = off reads '\x00' as an escape: the digest
+-- framing, inlined into its caller and parsed under the caller's settings, must not use
+-- one (D33). Every digest vector again, in such a session.
+SET LOCAL standard_conforming_strings = off;
+SELECT is(
+    (SELECT count(*)::integer FROM digest_vectors AS d
+     WHERE ql3._framed_digest(d.domain, ql3.jcs(d.value)) = d.digest)
+    + (SELECT count(*)::integer FROM identity_vectors AS i
+       WHERE ql3.mutation_id(i.invocation_id, i.phase) = i.mutation_id),
+    (SELECT count(*)::integer FROM digest_vectors) + (SELECT count(*)::integer FROM identity_vectors),
+    'digests and identities hold with standard_conforming_strings = off'
+);
+SET LOCAL standard_conforming_strings = on;
 
 SELECT * FROM finish();
 ROLLBACK;

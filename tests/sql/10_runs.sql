@@ -1,6 +1,6 @@
 -- Runs and steps (sql/core/0003_runs.sql): create_run, add_step_run, the history tables.
 BEGIN;
-SELECT plan(44);
+SELECT plan(46);
 
 SELECT has_table('ql3', 'runs', 'ql3.runs exists');
 SELECT has_table('ql3', 'step_runs', 'ql3.step_runs exists');
@@ -107,8 +107,18 @@ SELECT isnt(
 
 SELECT throws_ok(
     $$UPDATE ql3.step_runs SET status = 'paused' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
-    '23514', NULL, 'a status outside the state machine is refused'
+    'Q3S01', NULL, 'a status outside the state machine is QL3_ILLEGAL_TRANSITION'
 );
+SELECT throws_ok(
+    $$UPDATE ql3.step_runs SET status = 'succeeded' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
+    'Q3S01', NULL, 'a direct UPDATE cannot skip a transition (ready -> succeeded), whoever makes it (D33)'
+);
+SET ROLE ql3_runtime;
+SELECT throws_ok(
+    $$UPDATE ql3.step_runs SET status = 'lost' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
+    'Q3S01', NULL, 'the runtime cannot make a ready step lost by UPDATE'
+);
+RESET ROLE;
 SELECT throws_ok(
     $$UPDATE ql3.step_runs SET status = 'running' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     '23514', NULL, 'a running step must name its current invocation'

@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(88);
+SELECT plan(94);
 
 -- Fixture: run R1 with model steps S1..S9 admitted as inv-rN; then completions:
 -- r1, r2, r3, r8 and the vector invocation on S9 lost; r4 succeeded; r5 still running;
@@ -342,9 +342,32 @@ SELECT results_eq(
     'completion and resolution identities of the vector match identity.json'
 );
 
--- The step must still be exactly the lost winner: only a damaged database gets here.
+-- Only a resolution moves a lost step: the runtime's UPDATE on step_runs (SPEC section 5)
+-- cannot take it back to ready, settle it, or point it at another invocation (D33).
+SET ROLE ql3_runtime;
+SELECT * FROM tests.rejects(
+    $$UPDATE ql3.step_runs SET status = 'ready', current_invocation_id = NULL, result_code = NULL,
+             version = version + 1
+      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+    'Q3S01', 'the runtime cannot take a lost step back to ready without a resolution'
+);
+SELECT * FROM tests.rejects(
+    $$UPDATE ql3.step_runs SET status = 'failed', result_code = 'model_outcome_rejected'
+      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+    'Q3S01', 'the runtime cannot settle a lost step as failed without a resolution'
+);
+SELECT * FROM tests.rejects(
+    $$UPDATE ql3.step_runs SET current_invocation_id = 'inv-r1'
+      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+    'Q3S01', 'the runtime cannot point a lost step at another (resolved) invocation'
+);
+
+-- The step must still be exactly the lost winner: only a damaged database gets here, so
+-- the damage disables the guard above (as the superuser).
 RESET ROLE;
+ALTER TABLE ql3.step_runs DISABLE TRIGGER step_runs_lost_needs_resolution;
 UPDATE ql3.step_runs SET status = 'failed' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008';
+ALTER TABLE ql3.step_runs ENABLE TRIGGER step_runs_lost_needs_resolution;
 SELECT * FROM tests.rejects(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-r8', 'retry'))$$,
     'Q3S01', 'resolving when the step is no longer the lost winner is QL3_ILLEGAL_TRANSITION'

@@ -6,7 +6,7 @@ SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refus
 \ir lib/invocation_helpers.sql
 \ir lib/privilege_helpers.sql
 
-SELECT plan(353);
+SELECT plan(358);
 
 -- Schema and catalogue -----------------------------------------------------------------------
 
@@ -30,7 +30,7 @@ SELECT functions_are(
     'ql3_ai',
     ARRAY['admit_invocation', 'complete_invocation', 'resolve_invocation', 'recover_expired', 'usage_summary',
           '_check_shape', '_checked_digest', '_uuid', '_check_sha256', '_timestamp', '_utc', '_identities',
-          '_verify_receipt', '_write_completion'],
+          '_verify_receipt', '_write_completion', '_require_resolution'],
     'ql3_ai holds exactly these functions (each is covered by the privilege matrix below)'
 );
 SELECT is_empty(
@@ -175,7 +175,9 @@ FROM (VALUES
     (15, 'ql3_ai', '_identities', '{text,text}', '{ql3_runtime,ql3_operator}'),
     (16, 'ql3_ai', '_verify_receipt', '{text,text,jsonb,text}', '{ql3_runtime,ql3_operator}'),
     (17, 'ql3_ai', '_write_completion', '{ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean}',
-     '{ql3_runtime,ql3_operator}')
+     '{ql3_runtime,ql3_operator}'),
+    -- A trigger function: triggers fire without EXECUTE, so nobody holds it.
+    (18, 'ql3_ai', '_require_resolution', '{}', '{}')
 ) AS f (ord, schema_name, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')

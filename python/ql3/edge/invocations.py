@@ -684,7 +684,8 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
         (horizon, batch),
     )
     recovered: list[dict[str, Any]] = []
-    for start in expired:
+    # Settled run by run, as PostgreSQL settles them (there, to lock runs in one order).
+    for start in sorted(expired, key=lambda s: (s["run_id"], s["deadline_at"], s["invocation_id"])):
         command = completion_command(
             invocation_id=start["invocation_id"], start_digest=start["start_digest"], outcome="lost"
         )

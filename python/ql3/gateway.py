@@ -62,6 +62,7 @@ from ql3.invocations import (
     Usage,
     admission_command,
     completion_command,
+    format_timestamp,
     request_digest,
 )
 from ql3.providers import (
@@ -666,7 +667,11 @@ class ModelGateway:
         itself is not, and runs to the database's answer whatever happens to the caller.
         """
         loop = asyncio.get_running_loop()
-        remaining = (call.deadline_at - datetime.now(UTC)).total_seconds()
+        try:
+            remaining = (call.deadline_at - datetime.now(UTC)).total_seconds()
+        except TypeError:  # a naive deadline, or not a datetime: the call's own error
+            format_timestamp(call.deadline_at)  # raises InvalidArgument, which says why
+            raise
         deadline = loop.time() + remaining
         for attempt in (1, 2):
             timer = asyncio.timeout_at(deadline)

@@ -36,7 +36,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
@@ -542,9 +542,11 @@ async def _read_body(response: httpx.Response) -> bytes:
 _ACCEPT_JSON: Final = "application/json"
 _ACCEPT_SSE: Final = "text/event-stream"
 
-_UNKNOWN_STATUSES: Final = frozenset({502, 504})
-"""Answers of an intermediary about the upstream (bad gateway, gateway timeout): the model
-server may have run the request, so they are not a definite failure."""
+_UNKNOWN_STATUSES: Final = frozenset({502, 504, 520, 524})
+"""Answers of an intermediary about the upstream (bad gateway, gateway timeout, and
+Cloudflare's 520 "unknown error" and 524 "a timeout occurred", both sent after the request
+reached the origin): the model server may have run the request, so they are not a definite
+failure (D34)."""
 
 
 def _raise_for_status(status: int, raw: bytes, size: int, digest: str) -> None:
@@ -557,20 +559,21 @@ def _raise_for_status(status: int, raw: bytes, size: int, digest: str) -> None:
     raise ProviderError(status, raw[:MAX_ERROR_BODY], output_bytes=size, output_digest=digest)
 
 
-def _sse_events(lines: Iterator[bytes], pending: list[bytes]) -> Iterator[bytes]:
-    """Complete SSE event data from lines; ``pending`` keeps the data lines of the open event."""
-    for line in lines:
-        line = line.rstrip(b"\r")
-        if not line:
-            if pending:
-                yield b"\n".join(pending)
-                pending.clear()
-            continue
-        if line.startswith(b":"):
-            continue  # a comment (keep-alive)
+def _sse_data(line: bytes, pending: list[bytes]) -> bytes | None:
+    """The data of the SSE event that ``line`` completes, else None; ``pending`` keeps the
+    data lines of the open event."""
+    line = line.rstrip(b"\r")
+    if not line:
+        if not pending:
+            return None
+        data = b"\n".join(pending)
+        pending.clear()
+        return data
+    if not line.startswith(b":"):  # a comment (keep-alive) carries nothing
         field, _, value = line.partition(b":")
         if field == b"data":
             pending.append(value[1:] if value.startswith(b" ") else value)
+    return None
 
 
 async def _read_stream(response: httpx.Response) -> AsyncIterator[StreamEvent]:
@@ -585,14 +588,19 @@ async def _read_stream(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     finish: str | None = None
     usage: Usage | None = None
     async for chunk in response.aiter_bytes():
-        hasher.update(chunk)
-        size += len(chunk)
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
-        for data in _sse_events(iter(lines), pending):
+        for line in lines:
+            # Digested and counted line by line as the events are read, so the receipt
+            # does not depend on how the bytes were chunked, and ends with [DONE]'s event.
+            hasher.update(line + b"\n")
+            size += len(line) + 1
+            data = _sse_data(line, pending)
+            if data is None:
+                continue
             if data.strip() == b"[DONE]":
                 # Whatever follows [DONE] is not part of the answer; the digest covers
-                # the body up to here.
+                # the body up to the end of its event.
                 yield ProviderResponse(
                     text="".join(text),
                     finish_reason=finish,

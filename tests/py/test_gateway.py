@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from fix_provider import (  # noqa: F401  (provider, provider_b are fixtures)
 )
 from fix_servers import role_dsn
 from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
+from ql3 import errors
 from ql3.cache import RevisionCache
 from ql3.db import Timeouts
 from ql3.devservers import free_port
@@ -349,6 +351,20 @@ def test_stream_yields_pieces_and_settles_succeeded(world: World) -> None:
 
 
 # -- admission ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("deadline", [datetime(2999, 1, 1), "2999-01-01T00:00:00Z"])
+def test_a_deadline_without_a_time_zone_is_the_calls_own_error_and_admits_nothing(
+    world: World, deadline: Any
+) -> None:
+    async def scenario() -> None:
+        async with harness(world) as h:
+            with pytest.raises(errors.InvalidArgument):
+                await h.gateway.invoke(replace(world.call(), deadline_at=deadline))
+
+    run(scenario())
+    assert world.provider.calls == 0
+    assert world.starts() == 0
 
 
 def test_unreachable_database_is_audit_unavailable_and_calls_no_provider(world: World) -> None:

@@ -31,7 +31,7 @@ from ql3.gateway import (
     deadline_in,
     policy_routes,
 )
-from ql3.invocations import format_uuid
+from ql3.invocations import format_uuid, output_digest
 from ql3.providers import (
     OpenAICompatibleProvider,
     ProviderError,
@@ -305,6 +305,9 @@ def test_usage_keeps_only_the_counts_the_provider_reported(
         (400, b"", ProviderProtocolError),  # no answer to go by
         (502, b"<html>bad gateway</html>", ProviderProtocolError),  # the upstream may have run
         (504, b"<html>timeout</html>", ProviderProtocolError),
+        (520, b"<html>unknown error</html>", ProviderProtocolError),  # Cloudflare: after sending
+        (524, b"<html>a timeout occurred</html>", ProviderProtocolError),
+        (522, b"<html>connection timed out</html>", ProviderError),  # never reached the origin
         (200, b"not json", ProviderProtocolError),
         (200, b'{"choices": []}', ProviderProtocolError),
     ],
@@ -344,8 +347,10 @@ def split_every(data: bytes, size: int) -> list[bytes]:
 
 @pytest.mark.parametrize("size", [1, 7, 64, 100000])
 def test_sse_stream_is_parsed_across_any_chunk_boundaries(size: int) -> None:
+    answer = sse_bytes()  # once: its id and created change from one call to the next
+
     async def scenario() -> None:
-        adapter = adapter_with(sse_response(split_every(sse_bytes(), size)))
+        adapter = adapter_with(sse_response(split_every(answer, size)))
         events = await collect(adapter)
         await adapter.aclose()
         assert [e.text for e in events if isinstance(e, StreamDelta)] == ["Hel", "lo", " wörld"]
@@ -353,7 +358,24 @@ def test_sse_stream_is_parsed_across_any_chunk_boundaries(size: int) -> None:
         assert isinstance(final, ProviderResponse)
         assert (final.text, final.finish_reason) == ("Hello wörld", "stop")
         assert final.usage is not None and final.usage.output_tokens == 2
-        assert final.output_bytes == len(sse_bytes())
+        assert final.output_bytes == len(answer)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("size", [1, 5, 100000])
+def test_a_stream_receipt_covers_the_body_up_to_done_however_it_was_chunked(size: int) -> None:
+    """Bytes after the [DONE] event (a keep-alive, say) are not part of the answer, and
+    the size and digest do not depend on where the chunks were cut."""
+    answer = sse_bytes()
+    assert answer.endswith(b"data: [DONE]\n\n")
+
+    async def scenario() -> None:
+        adapter = adapter_with(sse_response(split_every(answer + b": keep-alive\n\n", size)))
+        final = (await collect(adapter))[-1]
+        await adapter.aclose()
+        assert isinstance(final, ProviderResponse)
+        assert (final.output_bytes, final.output_digest) == (len(answer), output_digest(answer))
 
     run(scenario())
 

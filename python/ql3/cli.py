@@ -31,17 +31,29 @@ def _actor(args: argparse.Namespace) -> str:
 
 
 def _read_body(args: argparse.Namespace) -> Any:
+    """The JSON of --body or --body-file; an unreadable or non-UTF-8 file is InvalidArgument."""
     if args.body_file:
-        text = sys.stdin.read() if args.body_file == "-" else Path(args.body_file).read_text()
+        source = "stdin" if args.body_file == "-" else args.body_file
+        try:
+            if args.body_file == "-":
+                text = sys.stdin.read()
+            else:
+                text = Path(args.body_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: cannot read the body from {source}: {reason}"
+            ) from None
     else:
         text = args.body
     return canonical.parse_json(text)
 
 
 def _revision_put(args: argparse.Namespace) -> int:
+    body = _read_body(args)  # bad input is refused before any connection
     with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
         print_json(store.put_revision(args.project, args.family, args.contract,
-                                      _read_body(args), _actor(args)))  # fmt: skip
+                                      body, _actor(args)))  # fmt: skip
     return 0
 
 

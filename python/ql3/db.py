@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ql3 import errors
@@ -29,6 +29,9 @@ class Timeouts:
     statement_ms: int = 5000
     lock_ms: int = 2000
     connect_s: int = 5
+    # How long data sent may go unacknowledged before the kernel drops the connection
+    # (libpq's tcp_user_timeout); a silent peer is otherwise noticed by the keepalives.
+    tcp_user_timeout_s: float = 30.0
 
     def options(self) -> str:
         return f"-c statement_timeout={self.statement_ms} -c lock_timeout={self.lock_ms}"
@@ -52,6 +55,10 @@ def translate(exc: psycopg.Error) -> errors.Ql3Error:
     state = exc.sqlstate or ""
     if isinstance(exc, psycopg.OperationalError) and not state:
         return errors.Unavailable(message)
+    if isinstance(exc, psycopg.DataError) and not state:
+        # Refused by psycopg before sending (a NUL in a text argument): the caller's input,
+        # as the SQLite store and the server's own 22xxx states say.
+        return errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: {message}")
     if state.startswith(_UNAVAILABLE_PREFIXES):
         return errors.Unavailable(f"{message} (SQLSTATE {state})")
     if state == "42501":
@@ -70,24 +77,57 @@ def translated() -> Iterator[None]:
         raise translate(exc) from exc
 
 
+def parse_conninfo(conninfo: str) -> dict[str, Any]:
+    """The conninfo's parameters; a malformed one is InvalidArgument (the caller's input)."""
+    try:
+        return conninfo_to_dict(conninfo)
+    except psycopg.Error as exc:
+        message = str(exc).strip() or type(exc).__name__
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: malformed connection string: {message}"
+        ) from None
+
+
 def with_options(conninfo: str, options: str) -> str:
     """``options`` after the conninfo's own (or PGOPTIONS'): passing ``options`` to
     psycopg replaces both, which would drop a caller's ``-c role=...`` or search_path."""
-    given = conninfo_to_dict(conninfo).get("options") or os.environ.get("PGOPTIONS")
+    given = parse_conninfo(conninfo).get("options") or os.environ.get("PGOPTIONS")
     return f"{given} {options}" if given else options
+
+
+# TCP keepalives on ql3's connections (unless the conninfo sets them), so a peer gone
+# silently (no FIN, no RST) is noticed by the kernel within about idle + interval * count
+# seconds, whatever the host's defaults (often two hours).
+KEEPALIVES = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+}
+
+
+def tcp_settings(conninfo: str, user_timeout_s: float) -> dict[str, str]:
+    """The keepalive settings and ``tcp_user_timeout`` (``user_timeout_s``) that the
+    conninfo does not make itself: connection keywords to add to it."""
+    given = parse_conninfo(conninfo)
+    tcp = dict(KEEPALIVES)
+    if psycopg.pq.version() >= 120000:  # libpq knows tcp_user_timeout since 12
+        tcp["tcp_user_timeout"] = str(round(user_timeout_s * 1000))
+    return {name: value for name, value in tcp.items() if name not in given}
 
 
 def connect(
     conninfo: str, *, timeouts: Timeouts | None = None, autocommit: bool = False
 ) -> psycopg.Connection[tuple[object, ...]]:
-    """One connection with ql3's timeouts set at startup."""
+    """One connection with ql3's timeouts and TCP keepalives set at startup."""
     t = timeouts or Timeouts()
+    options = with_options(conninfo, t.options())
     with translated():
         return psycopg.connect(
-            conninfo,
+            make_conninfo(conninfo, **tcp_settings(conninfo, t.tcp_user_timeout_s)),
             autocommit=autocommit,
             connect_timeout=t.connect_s,
-            options=with_options(conninfo, t.options()),
+            options=options,
         )
 
 
@@ -102,7 +142,9 @@ def _pool_args(
     """The arguments of ql3's pools, sync and asyncio alike. Connections are autocommit
     (every ql3 call is one statement calling one SQL function, its own transaction: one
     round trip instead of BEGIN, the call and COMMIT, D20), carry ql3's timeouts after the
-    caller's options, and defer outbox NOTIFYs (D17)."""
+    caller's options, defer outbox NOTIFYs (D17) and have TCP keepalives and
+    tcp_user_timeout unless the conninfo sets its own. A malformed conninfo is
+    InvalidArgument here, before any pool exists."""
     t = timeouts or Timeouts()
     return {
         "min_size": min_size,
@@ -112,6 +154,7 @@ def _pool_args(
             "autocommit": True,
             "connect_timeout": t.connect_s,
             "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
+            **tcp_settings(conninfo, t.tcp_user_timeout_s),
         },
     }
 

@@ -24,7 +24,10 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ql3 import errors
+
 HealthReport = Callable[[], Mapping[str, Any]]
+MAX_PORT = 65535
 
 
 def serve_status(
@@ -39,11 +42,23 @@ def serve_status(
 ) -> StatusServer | None:
     """A ``StatusServer``, or None when ``port`` is None or negative (the server is off).
 
-    Logs ``metrics_listening`` with the bound port on ``log``, with ``log_fields``.
+    Logs ``metrics_listening`` with the bound port on ``log``, with ``log_fields``. A port
+    above 65535, or an address it cannot listen on (in use, unknown host), is
+    InvalidArgument: it is the operator's setting.
     """
     if port is None or port < 0:
         return None
-    server = StatusServer(host, port, registry, health, name=name)
+    if port > MAX_PORT:
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: metrics port {port} is not a TCP port (0..{MAX_PORT})"
+        )
+    try:
+        server = StatusServer(host, port, registry, health, name=name)
+    except (OSError, OverflowError) as exc:
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: cannot serve /metrics on {host}:{port}: "
+            f"{getattr(exc, 'strerror', None) or exc}"
+        ) from None
     log.info("metrics_listening", extra={"ql3": {**log_fields, "host": host, "port": server.port}})
     return server
 

@@ -9,6 +9,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from ql3 import errors
+
 
 def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
     """Capped exponential backoff with jitter: ~initial * 2^(failures-1), at most cap."""
@@ -35,13 +37,22 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(doc, default=str, ensure_ascii=False)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def configure_logging(level: str = "info") -> None:
-    """Send every log record to stderr as a JSON line."""
+    """Send every log record of ``level`` or above to stderr as a JSON line; another level
+    name is InvalidArgument (and changes nothing)."""
+    name = level.strip().lower()
+    if name not in LOG_LEVELS:
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: log level {level!r} is not one of {', '.join(LOG_LEVELS)}"
+        )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(name.upper())
 
 
 def describe_error(exc: BaseException) -> str:

@@ -44,6 +44,7 @@ from typing import Any, TypeAlias, TypeVar
 import psycopg
 from psycopg import sql
 
+from ql3.db import parse_conninfo
 from ql3.errors import MigrationError, Ql3Error, Unavailable
 
 Connection: TypeAlias = "psycopg.Connection[tuple[Any, ...]]"
@@ -500,7 +501,9 @@ def resolve_targets(
 
 @contextmanager
 def connect(conninfo: str) -> Iterator[Connection]:
-    """An autocommit connection whose database errors surface as ql3 errors."""
+    """An autocommit connection whose database errors surface as ql3 errors (a malformed
+    conninfo is InvalidArgument)."""
+    parse_conninfo(conninfo)
     try:
         conn = psycopg.connect(
             conninfo,
@@ -528,8 +531,9 @@ def take_migration_lock(conn: Connection) -> None:
 def prepare_streams(
     conn: Connection, migrations: Mapping[str, Sequence[Migration]], limits: Mapping[str, int]
 ) -> None:
-    """Under the lock: refuse a ledger that disagrees with the files or an impossible
-    ``requires``, then create the schemas and ledgers that do not exist yet."""
+    """Under the lock: refuse a ledger that disagrees with the files, an impossible
+    ``requires`` or a pending file with transaction control, then create the schemas and
+    ledgers that do not exist yet."""
     with conn.transaction():
         take_migration_lock(conn)
         ledgers = {name: read_ledger(conn, STREAMS[name]) for name in migrations}
@@ -546,6 +550,10 @@ def prepare_streams(
             for migration in migrations[AI][: limits[AI]]:
                 if migration.version not in ai_applied:
                     refuse_unmet_requirement(migration, core_after)
+        for name, files in migrations.items():
+            for migration in files[: limits[name]]:
+                if migration.version not in (ledgers[name] or {}):
+                    refuse_transaction_control(migration)
         for name in migrations:
             if ledgers[name] is None:
                 conn.execute(STREAMS[name].bootstrap_sql)
@@ -594,14 +602,38 @@ def run_as_owner(conn: Connection, stream: Stream, migration: Migration) -> None
         )
     )
     transaction_id = current_transaction_id(conn)
+    # Rolling back to this savepoint after a failure works only while the runner's
+    # transaction is still open: how a file that ended it is told from one that failed.
+    conn.execute(f"SAVEPOINT {_FILE_SAVEPOINT}")
     try:
         with conn.cursor() as cursor:
             # No parameters: psycopg sends the simple protocol, which runs many statements.
             cursor.execute(migration.text)
     except psycopg.Error as exc:
+        if not still_in_runner_transaction(conn, transaction_id):
+            raise MigrationError(escaped_transaction_message(migration)) from exc
         raise MigrationError(migration_failure_message(migration, exc)) from exc
     refuse_escaped_transaction_or_role(conn, migration, transaction_id)
     conn.execute("RESET ROLE")
+
+
+_FILE_SAVEPOINT = "ql3_migration_file"
+
+
+def still_in_runner_transaction(conn: Connection, transaction_id: str | None) -> bool:
+    """After a failed file: whether the runner's transaction is the one still open (then
+    rolled back to before the file) rather than ended by the file's own transaction
+    control. A lost connection counts as still open: the server rolls it back."""
+    state = conn.info.transaction_status
+    if state == psycopg.pq.TransactionStatus.UNKNOWN:
+        return True
+    if state != psycopg.pq.TransactionStatus.INERROR:
+        return False  # idle: the file's COMMIT or ROLLBACK ended it
+    try:
+        conn.execute(f"ROLLBACK TO SAVEPOINT {_FILE_SAVEPOINT}")
+    except psycopg.Error:
+        return False  # a transaction the file began after ending the runner's
+    return current_transaction_id(conn) == transaction_id
 
 
 def current_transaction_id(conn: Connection) -> str | None:
@@ -616,16 +648,83 @@ def refuse_escaped_transaction_or_role(
     row = conn.execute("SELECT pg_current_xact_id_if_assigned()::text, current_user").fetchone()
     now_id, role = (None, None) if row is None else row
     if now_id != transaction_id:
-        raise MigrationError(
-            f"{migration.stream} migration {migration.file_name} ended the runner's transaction "
-            f"(COMMIT or ROLLBACK in the file); part of it may be committed: check the database "
-            f"by hand and remove transaction control from the file"
-        )
+        raise MigrationError(escaped_transaction_message(migration))
     if role != OWNER_ROLE:
         raise MigrationError(
             f"{migration.stream} migration {migration.file_name} changed the role it runs as "
             f"(now {role}); it was rolled back: migrations must run as {OWNER_ROLE}"
         )
+
+
+def escaped_transaction_message(migration: Migration) -> str:
+    return (
+        f"{migration.stream} migration {migration.file_name} ended the runner's transaction "
+        f"(COMMIT or ROLLBACK in the file); part of it, its ledger row included, may be "
+        f"committed: check the database by hand and remove transaction control from the file"
+    )
+
+
+_TRANSACTION_CONTROL = frozenset({"abort", "begin", "commit", "end", "rollback"})
+_ROUTINE_KINDS = frozenset({"function", "procedure"})
+_TOKEN_RE = re.compile(r'"(?:[^"]|"")*"|[A-Za-z_][A-Za-z0-9_$]*|[();]')
+
+
+def refuse_transaction_control(migration: Migration) -> None:
+    """Refuse, before anything runs, a file with a top-level transaction-control
+    statement: a COMMIT or ROLLBACK would end the runner's transaction (and release the
+    migration lock) halfway, leaving the ledger row and part of the file committed."""
+    for words in top_level_statements(migration.text):
+        first = words[0] if words else ""
+        second = words[1] if len(words) > 1 else ""
+        if first in _TRANSACTION_CONTROL or (
+            first in ("start", "prepare") and second == "transaction"
+        ):
+            raise MigrationError(
+                f"{migration.stream} migration {migration.file_name} contains transaction "
+                f"control ({' '.join(words[:2]).upper()}); nothing was run: each migration "
+                f"runs in the runner's own transaction, remove it from the file"
+            )
+
+
+def top_level_statements(text: str) -> Iterator[list[str]]:
+    """The words of each top-level statement of ``text`` (keywords lower-cased), with
+    comments, strings and every dollar-quoted body left out.
+
+    Statements end at a ``;`` outside parentheses and outside the ``BEGIN ATOMIC ... END``
+    body of a ``CREATE FUNCTION`` or ``PROCEDURE`` (psql's rule: in such a statement,
+    ``BEGIN`` opens a block, ``CASE`` inside one opens another, ``END`` closes one).
+    """
+    words: list[str] = []
+    parens = blocks = 0
+    for token in _TOKEN_RE.findall(executed_sql(text, do_bodies=False)):
+        if token == "(":
+            parens += 1
+        elif token == ")":
+            parens = max(0, parens - 1)
+        elif token == ";":
+            if parens == 0 and blocks == 0:
+                if words:
+                    yield words
+                words = []
+        else:
+            word = token if token.startswith('"') else token.lower()
+            words.append(word)
+            if parens == 0 and _defines_routine(words):
+                if word == "begin" or (word == "case" and blocks):
+                    blocks += 1
+                elif word == "end" and blocks:
+                    blocks -= 1
+    if words:
+        yield words
+
+
+def _defines_routine(words: Sequence[str]) -> bool:
+    """Whether the statement so far is ``CREATE [OR REPLACE] FUNCTION|PROCEDURE``."""
+    if words[0] != "create" or len(words) < 2:
+        return False
+    if words[1] in _ROUTINE_KINDS:
+        return True
+    return words[1:3] == ["or", "replace"] and len(words) > 3 and words[3] in _ROUTINE_KINDS
 
 
 def migration_failure_message(migration: Migration, exc: psycopg.Error) -> str:
@@ -806,10 +905,11 @@ _DOLLAR_TAG_RE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$")
 _DO_BEFORE_RE = re.compile(r"\bDO(?:\s+LANGUAGE\s+\w+)?\s*$", re.IGNORECASE)
 
 
-def executed_sql(text: str) -> str:
+def executed_sql(text: str, *, do_bodies: bool = True) -> str:
     """``text`` with comments, string literals and function bodies blanked out.
 
     Dollar-quoted bodies that follow ``DO`` are kept (recursively cleaned): they run now.
+    With ``do_bodies=False`` they are blanked too (only the top-level statements remain).
     """
     out: list[str] = []
     i = 0
@@ -825,7 +925,7 @@ def executed_sql(text: str) -> str:
             i, kept = end, text[i:end]
         elif (tag := _dollar_tag_at(text, i)) is not None:
             end, body = _dollar_quoted_body(text, i, tag)
-            runs_now = _DO_BEFORE_RE.search(text, max(0, i - 64), i) is not None
+            runs_now = do_bodies and _DO_BEFORE_RE.search(text, max(0, i - 64), i) is not None
             i, kept = end, f" {executed_sql(body)} " if runs_now else " "
         else:
             i, kept = i + 1, text[i]
@@ -955,9 +1055,13 @@ def parse_target(value: str) -> tuple[str, int]:
 
 
 def dsn_from(args: argparse.Namespace, command: str) -> str | None:
+    """The DSN to use; None (after saying why) when there is none or it is malformed."""
     dsn: str | None = args.dsn or os.environ.get("QL3_DSN")
     if not dsn:
         print(f"error: ql3 {command}: no database: pass --dsn or set QL3_DSN", file=sys.stderr)
+        return None
+    if _reporting_errors(command, lambda: parse_conninfo(dsn)) is None:
+        return None
     return dsn
 
 
@@ -995,5 +1099,6 @@ def _reporting_errors(command: str, action: Callable[[], _Result]) -> _Result | 
     try:
         return action()
     except Ql3Error as exc:
-        print(f"error: ql3 {command}: {exc.code}: {exc.message}", file=sys.stderr)
+        message = exc.message.removeprefix(f"{exc.code}: ")
+        print(f"error: ql3 {command}: {exc.code}: {message}", file=sys.stderr)
         return None

@@ -9,8 +9,12 @@ re-invokes a model; every recovered invocation waits for a human resolution
 - ``ql3 recover --loop``: a daemon. Every ``interval`` it calls recover_expired in batches
   of ``limit`` and keeps going while a batch comes back full. Database errors are logged
   and retried with capped exponential backoff; they never end the loop. SIGTERM (or
-  SIGINT) lets the batch in flight commit, then exits 0. Logs are JSON lines on stderr;
-  ``--metrics-port`` serves Prometheus ``/metrics`` and ``/healthz``.
+  SIGINT) lets the batch in flight commit, then exits 0; a batch that has not returned
+  ``stop_grace`` seconds after the signal (a stalled connection) is abandoned and the
+  process exits 1 (a batch is one transaction: the server rolls it back, nothing is lost).
+  Logs are JSON lines on stderr; ``--metrics-port`` serves Prometheus ``/metrics`` and
+  ``/healthz``, which is unhealthy when no batch has committed for longer than
+  ``interval + statement_timeout + health_margin``.
 
 Several recovery daemons may run at once: the SQL skips step rows another transaction
 holds (``FOR UPDATE ... SKIP LOCKED``), so two batches never settle the same invocation.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import threading
@@ -35,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ql3 import errors
 from ql3.cli import print_json
-from ql3.db import dsn_from_env
+from ql3.db import Timeouts, dsn_from_env
 from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
 from ql3.logs import backoff_delay, configure_logging, describe_error
@@ -45,6 +50,12 @@ MAX_LIMIT = MAX_RECOVERY_LIMIT
 DEFAULT_LIMIT = 100
 DEFAULT_GRACE_SECONDS = 30.0
 DEFAULT_INTERVAL_SECONDS = 5.0
+DEFAULT_STATEMENT_TIMEOUT_SECONDS = 5.0
+DEFAULT_HEALTH_MARGIN_SECONDS = 10.0
+DEFAULT_STOP_GRACE_SECONDS = 10.0
+# The longest wait any setting may ask for: time.sleep and friends overflow near 1e10 s,
+# and a daemon that waits days between rounds is a typo, not a plan.
+MAX_WAIT_SECONDS = 86400.0
 
 log = logging.getLogger("ql3.recovery")
 
@@ -65,13 +76,49 @@ class RecoveryConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     """Port of /metrics and /healthz: None = no server, 0 = any free port."""
+    statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT_SECONDS
+    """statement_timeout of the loop's own store (a conninfo given to ``RecoveryLoop``)."""
+    health_margin: float = DEFAULT_HEALTH_MARGIN_SECONDS
+    """/healthz is ``stale`` once no batch committed for interval + statement_timeout + this."""
+    stop_grace: float = DEFAULT_STOP_GRACE_SECONDS
+    """How long ``serve`` waits for the batch in flight after SIGTERM before exiting 1."""
 
     def __post_init__(self) -> None:
         recovery_arguments(self.limit, self.grace_seconds)
-        if self.interval <= 0 or self.backoff_initial <= 0 or self.backoff_max <= 0:
+        for name in ("interval", "backoff_initial", "backoff_max", "statement_timeout"):
+            _check_seconds(name, getattr(self, name), positive=True)
+        _check_seconds("health_margin", self.health_margin, positive=False)
+        _check_seconds("stop_grace", self.stop_grace, positive=True)
+        if self.metrics_port is not None and (
+            not isinstance(self.metrics_port, int) or self.metrics_port > 65535
+        ):
             raise errors.InvalidArgument(
-                "QL3_INVALID_ARGUMENT: interval and backoff must be positive"
+                f"QL3_INVALID_ARGUMENT: metrics port {self.metrics_port!r} is not a TCP port "
+                "(0..65535, or negative for none)"
             )
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds without a committed batch after which the loop reports itself stale."""
+        return self.interval + self.statement_timeout + self.health_margin
+
+
+def _check_seconds(name: str, value: object, *, positive: bool) -> None:
+    """A duration setting must be a finite number of seconds, at most a day (NaN would
+    pass ``<= 0`` and spin the loop; infinity overflows the waits)."""
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+        and value <= MAX_WAIT_SECONDS
+    )
+    if not ok:
+        low = "> 0" if positive else ">= 0"
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {name} must be a number of seconds {low} and at most "
+            f"{MAX_WAIT_SECONDS:g}, got {value!r}"
+        )
 
 
 class RecoveryMetrics:
@@ -124,6 +171,7 @@ class RecoveryLoop:
         self.consecutive_errors = 0
         self.last_error: str | None = None
         self.last_run_at: datetime | None = None
+        self._last_progress = time.monotonic()  # last committed batch, or the start
         self.metrics_port: int | None = None
         self._stop = threading.Event()
         self._changed = threading.Condition()
@@ -170,7 +218,7 @@ class RecoveryLoop:
     def run(self) -> None:
         """Recover until ``request_stop``: drain, wait ``interval``, again; back off on errors."""
         if isinstance(self._store_arg, str):
-            store, owned = PgStore(self._store_arg, max_connections=1), True
+            store, owned = owned_store(self._store_arg, self.config), True
         else:
             store, owned = self._store_arg, False
         _log(
@@ -180,6 +228,8 @@ class RecoveryLoop:
             grace_seconds=self.config.grace_seconds,
             interval=self.config.interval,
         )
+        with self._changed:
+            self._last_progress = time.monotonic()
         try:
             self._open_http()
             while not self._stop.is_set():
@@ -215,6 +265,7 @@ class RecoveryLoop:
             self.consecutive_errors = 0
             self.last_error = None
             self.last_run_at = datetime.now(UTC)
+            self._last_progress = time.monotonic()
             self._changed.notify_all()
         self.metrics.batches.inc()
         self.metrics.recovered.inc(count)
@@ -267,16 +318,28 @@ class RecoveryLoop:
     # -- health and metrics ------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        """What /healthz reports: ``ok`` once a batch committed and none failed since."""
+        """What /healthz reports: ``ok`` once a batch committed, none failed since, and the
+        last one is recent (``stale``: a batch hangs, e.g. on a stalled connection)."""
         with self._changed:
+            age = time.monotonic() - self._last_progress
+            reason: str | None = None
             if self.consecutive_errors:
-                status = "failing"
+                status, reason = "failing", self.last_error
+            elif age > self.config.stale_after:
+                status = "stale"
+                since = "since the loop started" if self.last_run_at is None else ""
+                reason = (
+                    f"no batch has committed for {age:.1f} s{since and ' ' + since}, more "
+                    f"than interval + statement_timeout + health_margin = "
+                    f"{self.config.stale_after:g} s"
+                )
             elif self.last_run_at is None:
                 status = "starting"
             else:
                 status = "ok"
             return {
                 "status": status,
+                "reason": reason,
                 "last_run_at": None
                 if self.last_run_at is None
                 else format_timestamp(self.last_run_at),
@@ -335,23 +398,83 @@ def config_from_args(
         backoff_max=_number(args.backoff_max, "QL3_RECOVERY_BACKOFF_MAX", env, 30.0, float),
         metrics_host=str(args.metrics_host or env.get("QL3_RECOVERY_METRICS_HOST") or "127.0.0.1"),
         metrics_port=_number(args.metrics_port, "QL3_RECOVERY_METRICS_PORT", env, None, int),
+        statement_timeout=_number(
+            args.statement_timeout,
+            "QL3_RECOVERY_STATEMENT_TIMEOUT",
+            env,
+            DEFAULT_STATEMENT_TIMEOUT_SECONDS,
+            float,
+        ),
+        health_margin=_number(
+            args.health_margin,
+            "QL3_RECOVERY_HEALTH_MARGIN",
+            env,
+            DEFAULT_HEALTH_MARGIN_SECONDS,
+            float,
+        ),
+        stop_grace=_number(
+            args.stop_grace, "QL3_RECOVERY_STOP_GRACE", env, DEFAULT_STOP_GRACE_SECONDS, float
+        ),
     )
 
 
+def owned_store(dsn: str, config: RecoveryConfig) -> PgStore:
+    """The one-connection store of ``ql3 recover``, bounded by ``config.statement_timeout``."""
+    statement_ms = max(1, round(config.statement_timeout * 1000))
+    return PgStore(dsn, max_connections=1, timeouts=Timeouts(statement_ms=statement_ms))
+
+
+# How often the main thread of ``serve`` looks for a signal while the loop runs.
+_SIGNAL_POLL_SECONDS = 0.1
+
+
 def serve(dsn: str, config: RecoveryConfig) -> int:
-    """Run the loop in this (main) thread until SIGTERM or SIGINT; 0 after a clean stop."""
+    """Run the loop until SIGTERM or SIGINT: 0 after a clean stop, 1 when the batch in
+    flight did not return within ``config.stop_grace`` (it is abandoned; the server rolls
+    its transaction back when the process is gone).
+
+    The loop runs in a daemon thread, so a batch stuck on a stalled connection cannot hold
+    the process. The signal handler only records the signal: it runs on the main thread
+    between any two bytecodes, possibly while that thread holds a lock (an Event's), so it
+    must take none. The main thread notices the signal within ``_SIGNAL_POLL_SECONDS``.
+    """
     loop = RecoveryLoop(dsn, config)
+    received: list[int] = []
+    failure: list[BaseException] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        _log(logging.INFO, "stop_requested", signal=signal.Signals(signum).name)
-        loop.request_stop()
+        received.append(signum)  # no lock, no I/O: see above
 
+    def work() -> None:
+        try:
+            loop.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    worker = threading.Thread(target=work, name="ql3-recovery", daemon=True)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        loop.run()
+        worker.start()
+        while worker.is_alive() and not received:
+            worker.join(_SIGNAL_POLL_SECONDS)
+        if received:
+            _log(logging.INFO, "stop_requested", signal=signal.Signals(received[0]).name)
+            loop.request_stop()
+            worker.join(config.stop_grace)
+            if worker.is_alive():
+                _log(
+                    logging.ERROR,
+                    "stop_grace_exceeded",
+                    stop_grace=config.stop_grace,
+                    detail="the batch in flight did not return; exiting without it "
+                    "(its transaction is rolled back by the server)",
+                )
+                return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if failure:
+        raise failure[0]
     return 0
 
 
@@ -362,7 +485,7 @@ def command(args: argparse.Namespace) -> int:
     if args.loop:
         configure_logging(args.log_level or os.environ.get("QL3_LOG_LEVEL") or "info")
         return serve(dsn, config)
-    with PgStore(dsn, max_connections=1) as store:
+    with owned_store(dsn, config) as store:
         print_json(store.recover_expired(config.limit, config.grace_seconds))
     return 0
 
@@ -393,6 +516,24 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     a("--backoff-max", type=float, help="with --loop: cap of the error backoff (default 30)")
     a("--metrics-host", help="with --loop: address of /metrics and /healthz (default 127.0.0.1)")
     a("--metrics-port", type=int, help="with --loop: port of /metrics and /healthz; 0 = any")
+    a(
+        "--statement-timeout",
+        type=float,
+        help="seconds a recovery batch may run in the database "
+        f"(default {DEFAULT_STATEMENT_TIMEOUT_SECONDS:g})",
+    )
+    a(
+        "--health-margin",
+        type=float,
+        help="with --loop: /healthz is stale when no batch committed for interval + "
+        f"statement timeout + this many seconds (default {DEFAULT_HEALTH_MARGIN_SECONDS:g})",
+    )
+    a(
+        "--stop-grace",
+        type=float,
+        help="with --loop: seconds a batch in flight gets after SIGTERM before the process "
+        f"exits 1 without it (default {DEFAULT_STOP_GRACE_SECONDS:g})",
+    )
     a("--log-level", help="with --loop: debug, info, warning, error (default info)")
     parser.set_defaults(func=command)
     return parser

@@ -48,13 +48,13 @@ from urllib.parse import unquote, urlsplit
 import psycopg
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
-from ql3.db import with_options
+from ql3.db import tcp_settings, with_options
 from ql3.http_status import StatusServer, serve_status
 from ql3.logs import backoff_delay, configure_logging, describe_error
 
@@ -67,14 +67,6 @@ WORK_APPLICATION_NAME = "ql3-relay"
 # Work connections carry this in their startup packet (no SET round trip): a relay wedged
 # mid-batch must not hold its rows for ever.
 WORK_OPTIONS = "-c idle_in_transaction_session_timeout=60s"
-# TCP keepalives on every relay connection (unless its conninfo sets them), so a dead peer
-# is noticed by the kernel whatever its defaults; tcp_user_timeout follows postgres_timeout.
-KEEPALIVES = {
-    "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
-}
 
 T = TypeVar("T")
 
@@ -642,12 +634,9 @@ class Relay:
         self, conninfo: str, application_name: str, options: str = ""
     ) -> psycopg.AsyncConnection[tuple[Any, ...]]:
         """One autocommit relay connection; ``options`` go after the conninfo's own, and
-        keepalive settings the conninfo does not make are ours."""
-        given = conninfo_to_dict(conninfo)
-        tcp = dict(KEEPALIVES)
-        if psycopg.pq.version() >= 120000:  # libpq knows tcp_user_timeout since 12
-            tcp["tcp_user_timeout"] = str(round(self.config.postgres_timeout * 1000))
-        ours = {name: value for name, value in tcp.items() if name not in given}
+        keepalive settings the conninfo does not make are ours (``ql3.db.KEEPALIVES``;
+        tcp_user_timeout follows postgres_timeout)."""
+        ours = tcp_settings(conninfo, self.config.postgres_timeout)
         return await psycopg.AsyncConnection.connect(
             make_conninfo(conninfo, **ours),
             autocommit=True,

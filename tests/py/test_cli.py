@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,62 @@ def test_console_script_is_installed_and_answers_help() -> None:
     assert result.returncode == 0
     for command in ("revision", "migrate", "ready"):
         assert command in result.stdout
+
+
+def test_an_unreadable_body_file_is_invalid_argument(
+    capsys: pytest.CaptureFixture[str], operator_env: str, tmp_path: Path
+) -> None:
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"name": "caf\xe9"}')
+    for path, reason in (
+        (tmp_path / "missing.json", "No such file"),
+        (tmp_path, "Is a directory"),
+        (latin1, "can't decode"),
+    ):
+        code, out, err = run(capsys, "revision", "put", "--project", "p1", "--family", "x",
+                             "--contract", "c", "--body-file", str(path))  # fmt: skip
+        assert code == 1 and out == ""
+        assert err.startswith("error: QL3_INVALID_ARGUMENT: cannot read the body from"), err
+        assert reason in err and "Traceback" not in err
+
+
+def test_a_malformed_dsn_is_invalid_argument_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QL3_DSN", "bogus")
+    code, _, err = run(capsys, "revision", "show", "--revision", "x")
+    assert code == 1
+    assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
+    code, _, err = run(capsys, "revision", "put", "--project", "p1", "--family", "channel_event",
+                       "--contract", "c", "--body", "{}", "--dsn", "host='x")  # fmt: skip
+    assert code == 1
+    assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """The root logger as it was: ``ql3 relay`` and ``ql3 recover --loop`` configure it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_relay_bad_log_level_and_metrics_port_are_clean_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, root_logging: None
+) -> None:
+    monkeypatch.setenv("QL3_DSN", "dbname=never_reached")
+    monkeypatch.setenv("QL3_REDIS_URL", "redis://127.0.0.1:1/0")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = str(taken.getsockname()[1])
+        for flags, message in (
+            (["--log-level", "bogus"], "log level 'bogus' is not one of"),
+            (["--metrics-port", "99999"], "metrics port 99999 is not a TCP port"),
+            (["--metrics-port", busy], f"cannot serve /metrics on 127.0.0.1:{busy}"),
+        ):
+            code, _, err = run(capsys, "relay", *flags)
+            assert code == 1, flags
+            last = err.strip().splitlines()[-1]
+            assert last.startswith(f"error: QL3_INVALID_ARGUMENT: {message}"), err
+            assert "Traceback" not in err

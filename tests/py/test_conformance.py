@@ -528,6 +528,14 @@ OTHER_CASES: list[Case] = [
         "00000000-0000-0000-0000-000000000000", "ops", "x"), "QL3_NOT_FOUND"),
     ("pointers of a malformed key", lambda w: w.store.active_pointers([("proj", FAMILY)]),
      "QL3_INVALID_ARGUMENT"),
+    ("put with a NUL in the project", lambda w: w.store.put_revision(
+        "pr\x00oj", FAMILY, "c", {}, "ops"), "QL3_INVALID_ARGUMENT"),
+    ("active revision of a project with a NUL", lambda w: w.store.active_revision(
+        "pr\x00oj", FAMILY, "router"), "QL3_INVALID_ARGUMENT"),
+    ("pointers of a key with a NUL", lambda w: w.store.active_pointers(
+        [("proj", FAMILY, "rou\x00ter")]), "QL3_INVALID_ARGUMENT"),
+    ("usage of a project with a NUL", lambda w: w.store.usage_summary("pr\x00oj"),
+     "QL3_INVALID_ARGUMENT"),
 ]  # fmt: skip
 
 ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES

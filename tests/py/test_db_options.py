@@ -3,13 +3,14 @@ them: a DSN's ``options`` (``-c role=...``, a search_path) and PGOPTIONS keep wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from ql3 import db
+from ql3 import db, errors
 from ql3.store import PgStore
 
 
@@ -51,3 +52,61 @@ def test_with_options_without_any_given(monkeypatch: pytest.MonkeyPatch) -> None
     assert db.with_options("host=h options='-c x.y=2'", "-c a.b=1") == "-c x.y=2 -c a.b=1"
     url = "postgresql://u@h/d?options=-c%20x.y%3D3"
     assert db.with_options(url, "-c a.b=1") == "-c x.y=3 -c a.b=1"
+
+
+# -- TCP keepalives ------------------------------------------------------------------------
+
+
+def test_pool_and_connect_carry_tcp_keepalives_unless_the_dsn_sets_its_own(db_dsn: str) -> None:
+    own = make_conninfo(db_dsn, keepalives_idle="42", tcp_user_timeout="9000")
+    timeouts = db.Timeouts(tcp_user_timeout_s=7.5)
+    for dsn, idle, user_timeout in ((db_dsn, "10", "7500"), (own, "42", "9000")):
+        with PgStore(dsn, timeouts=timeouts) as store, store.pool.connection() as conn:
+            params = conn.info.get_parameters()
+        with db.connect(dsn, timeouts=timeouts) as single:
+            alone = single.info.get_parameters()
+        tcp = ("keepalives", "keepalives_idle", "tcp_user_timeout")
+        assert [alone[name] for name in tcp] == [params[name] for name in tcp]
+        assert params["keepalives"] == "1"
+        assert params["keepalives_idle"] == idle
+        assert (params["keepalives_interval"], params["keepalives_count"]) == ("5", "3")
+        assert params["tcp_user_timeout"] == user_timeout
+
+
+# -- malformed input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dsn", ["bogus", "host='unterminated", "postgresql://[::1"])
+def test_a_malformed_dsn_is_invalid_argument_everywhere(dsn: str) -> None:
+    calls: list[Callable[[], object]] = [
+        lambda: PgStore(dsn),
+        lambda: db.make_pool(dsn),
+        lambda: db.make_async_pool(dsn),
+        lambda: db.connect(dsn),
+        lambda: db.with_options(dsn, "-c a.b=1"),
+        lambda: db.tcp_settings(dsn, 30.0),
+    ]
+    for call in calls:
+        with pytest.raises(errors.InvalidArgument, match="malformed connection string"):
+            call()
+
+
+def test_a_nul_in_a_text_argument_is_invalid_argument(db_dsn: str) -> None:
+    # psycopg refuses NUL before sending (a DataError without SQLSTATE), as SQLite refuses it.
+    with PgStore(db_dsn) as store:
+        calls: list[Callable[[], object]] = [
+            lambda: store.put_revision("p\x00", "policy_routing", "c", {}, "ops"),
+            lambda: store.active_revision("p", "policy_routing", "c\x00"),
+            lambda: store.usage_summary("p\x00"),
+        ]
+        for call in calls:
+            with pytest.raises(errors.InvalidArgument, match="NUL"):
+                call()
+
+
+def test_a_server_sqlstate_keeps_its_mapping(db_dsn: str) -> None:
+    with db.connect(db_dsn, autocommit=True) as conn:
+        with pytest.raises(errors.DatabaseError, match="SQLSTATE 22012"), db.translated():
+            conn.execute("SELECT 1 / 0")
+        with pytest.raises(errors.InvalidArgument), db.translated():
+            conn.execute("SELECT 'x'::uuid")

@@ -308,10 +308,15 @@ class InvocationMachine(RuleBasedStateMachine):
         result = self.store.recover_expired(limit, 0)
         recovered = [item["invocation_id"] for item in result["recovered"]]
         assert result["count"] == len(recovered) == min(limit, len(expired))
-        oldest_first = sorted(
-            expired, key=lambda i: str(self.invocations[i].command["deadline_at"])
-        )
-        assert recovered == oldest_first[:limit]
+
+        def deadline(i: str) -> tuple[str, str]:
+            return str(self.invocations[i].command["deadline_at"]), i
+
+        # The oldest deadlines are chosen, then settled run by run (D33).
+        chosen = sorted(expired, key=deadline)[:limit]
+        run_by_run = sorted(chosen, key=lambda i: (str(self.invocations[i].command["run_id"]),
+                                                   *deadline(i)))  # fmt: skip
+        assert recovered == run_by_run
         for item in result["recovered"]:
             inv = self.invocations[item["invocation_id"]]
             admitted = {"start": inv.command, "start_digest": inv.start_digest}

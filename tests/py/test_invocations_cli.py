@@ -4,13 +4,17 @@ daemon in-process and as a process stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +28,8 @@ from prometheus_client import CollectorRegistry
 
 from fix_invocations import PAST, PROJECT, admission, completion, model_step
 from fix_servers import role_dsn
-from ql3 import cli, invocations_cli
+from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
+from ql3 import cli, errors, invocations_cli, recovery
 from ql3.invocations import Outcome, Usage
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.store import PgStore
@@ -360,3 +365,200 @@ def test_recover_loop_process_recovers_serves_metrics_and_exits_0_on_sigterm(
             proc.kill()
             proc.wait()
         logs.close()
+
+
+# -- bad settings, stalled connections, stop grace --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"interval": float("nan")},
+        {"interval": float("inf")},
+        {"interval": 1e10},
+        {"interval": 0},
+        {"backoff_max": float("nan")},
+        {"backoff_initial": float("inf")},
+        {"backoff_max": -1.0},
+        {"statement_timeout": float("nan")},
+        {"health_margin": float("nan")},
+        {"stop_grace": 0},
+        {"metrics_port": 99999},
+    ],
+)
+def test_recovery_settings_must_be_finite_positive_and_at_most_a_day(
+    setting: dict[str, Any],
+) -> None:
+    with pytest.raises(errors.InvalidArgument, match="QL3_INVALID_ARGUMENT"):
+        RecoveryConfig(**setting)
+
+
+def test_recovery_settings_from_the_environment_are_checked_too() -> None:
+    parser = argparse.ArgumentParser()
+    recovery.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["recover", "--loop"])
+    for var in ("QL3_RECOVERY_INTERVAL", "QL3_RECOVERY_BACKOFF_MAX"):
+        for text in ("nan", "inf", "1e10"):
+            with pytest.raises(errors.InvalidArgument, match="at most 86400"):
+                recovery.config_from_args(args, {var: text})
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """The root logger as it was: ``ql3 recover --loop`` configures it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_recover_loop_bad_flags_are_clean_errors(
+    capsys: pytest.CaptureFixture[str],
+    as_role: Any,
+    root_logging: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    as_role("operator")
+    real_run = RecoveryLoop.run
+
+    def must_not_run(loop: RecoveryLoop) -> None:
+        raise AssertionError(f"the loop ran with {loop.config}")  # NaN would spin for ever
+
+    monkeypatch.setattr(RecoveryLoop, "run", must_not_run)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = str(taken.getsockname()[1])
+        for flags, message in (
+            (["--interval", "nan"], "interval must be a number of seconds"),
+            (["--interval", "inf"], "interval must be a number of seconds"),
+            (["--backoff-max", "nan"], "backoff_max must be a number of seconds"),
+            (["--log-level", "bogus"], "log level 'bogus' is not one of"),
+            (["--metrics-port", "99999"], "metrics port 99999 is not a TCP port"),
+            (["--metrics-port", busy], f"cannot serve /metrics on 127.0.0.1:{busy}"),
+        ):
+            if flags[-1] == busy:
+                monkeypatch.setattr(RecoveryLoop, "run", real_run)  # binding is run's job
+            code, _, err = run(capsys, "recover", "--loop", *flags)
+            assert code == 1, flags
+            last = err.strip().splitlines()[-1]
+            assert last.startswith(f"error: QL3_INVALID_ARGUMENT: {message}"), err
+            assert "Traceback" not in err
+
+
+def test_a_malformed_dsn_is_invalid_argument_in_every_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QL3_DSN", "bogus")
+    for argv in (
+        ["invocations", "list"],
+        ["invocations", "show", "inv-1"],
+        ["resolve", "inv-1", "--decision", "fail", "--user", "u"],
+        ["usage", "--project", "p"],
+        ["recover"],
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == 1, argv
+        assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
+
+
+def wait_for_health(port: int, status: str, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        code, body = fetch(port, "/healthz")
+        report: dict[str, Any] = json.loads(body)
+        if report["status"] == status:
+            assert code == (200 if status == "ok" else 503)
+            return report
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/healthz never said {status}: last {report}")
+        time.sleep(0.05)  # polling a condition, with a deadline
+
+
+def test_healthz_is_stale_when_a_batch_hangs_on_a_stalled_connection(
+    db_dsn: str,
+    pg_proxy: PgProxy,  # noqa: F811
+) -> None:
+    config = RecoveryConfig(grace_seconds=0, interval=0.05, statement_timeout=0.5,
+                            health_margin=0.5, metrics_port=0)  # fmt: skip
+    loop = RecoveryLoop(pg_proxy.dsn(role_dsn(db_dsn, "operator")), config)
+    loop.start()
+    try:
+        loop.wait_until(lambda r: r.batches >= 1)
+        assert loop.metrics_port is not None
+        wait_for_health(loop.metrics_port, "ok")
+        pg_proxy.freeze()  # the next batch's query is never answered
+        report = wait_for_health(loop.metrics_port, "stale")
+        assert "no batch has committed for" in report["reason"]
+        assert report["consecutive_errors"] == 0
+    finally:
+        loop.request_stop()
+        pg_proxy.close()  # cuts the frozen connection: the batch fails and the loop ends
+        loop.stop(timeout=10)
+
+
+def test_sigterm_ends_the_daemon_within_stop_grace_even_while_a_batch_hangs(
+    db_dsn: str,
+    pg_proxy: PgProxy,  # noqa: F811
+) -> None:
+    exe = Path(sys.executable).with_name("ql3")
+    env = {**os.environ, "QL3_DSN": pg_proxy.dsn(role_dsn(db_dsn, "operator"))}
+    argv = [str(exe), "recover", "--loop", "--grace", "0", "--interval", "0.05",
+            "--statement-timeout", "0.5", "--health-margin", "0.5", "--stop-grace", "1",
+            "--metrics-port", "0"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    logs = LineReader(proc.stderr)
+    try:
+        port = int(logs.until("metrics_listening")["port"])
+        wait_for_health(port, "ok")
+        pg_proxy.freeze()
+        wait_for_health(port, "stale")  # a batch is stuck on the frozen connection
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 1
+        logs.until("stop_requested", signal="SIGTERM")
+        logs.until("stop_grace_exceeded", stop_grace=1.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        logs.close()
+
+
+def test_the_signal_handler_takes_no_lock_the_interrupted_thread_may_hold(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal handler runs on the main thread between two bytecodes, possibly while that
+    # thread holds the stop Event's lock inside wait(): a handler that needs the lock
+    # (Event.set) would then wait for itself for ever. Here another thread holds it.
+    loops: list[RecoveryLoop] = []
+
+    class Captured(RecoveryLoop):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            loops.append(self)
+
+    monkeypatch.setattr(recovery, "RecoveryLoop", Captured)
+    original = signal.getsignal(signal.SIGTERM)
+    returned_while_held: list[bool] = []
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 10
+        while not loops or signal.getsignal(signal.SIGTERM) is original:
+            assert time.monotonic() < deadline, "serve never installed its handler"
+            time.sleep(0.01)  # polling a condition, with a deadline
+        loops[0].wait_until(lambda r: r.batches >= 1)
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        with loops[0]._stop._cond:  # type: ignore[attr-defined]
+            call = threading.Thread(target=handler, args=(signal.SIGTERM, None), daemon=True)
+            call.start()
+            call.join(2)
+            returned_while_held.append(not call.is_alive())
+
+    helper = threading.Thread(target=interrupt, daemon=True)
+    helper.start()
+    config = RecoveryConfig(grace_seconds=0, interval=3600)
+    assert recovery.serve(role_dsn(db_dsn, "operator"), config) == 0
+    helper.join(10)
+    assert returned_while_held == [True], "the SIGTERM handler waited for the stop Event's lock"

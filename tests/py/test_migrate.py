@@ -15,7 +15,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ql3 import migrate as migrate_module
-from ql3.errors import MigrationError
+from ql3.errors import InvalidArgument, MigrationError
 from ql3.migrate import (
     AI_STREAM,
     CORE_STREAM,
@@ -332,11 +332,80 @@ def test_migration_that_changes_its_role_is_rolled_back(dsn: str, tmp_path: Path
     assert not table_exists(dsn, "ql3.t")
 
 
-def test_migration_that_commits_by_itself_is_reported(dsn: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "control", ["COMMIT", "ROLLBACK", "END", "abort", "BEGIN", "start transaction"]
+)
+def test_transaction_control_in_a_file_is_refused_before_anything_runs(
+    dsn: str, tmp_path: Path, control: str
+) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "core/0001_widgets.sql": "CREATE TABLE widgets (id int);\n",
+            "core/0002_commit.sql": (
+                f"CREATE TABLE t1 (x int);\n{control};\nCREATE TABLE t2 (x int);\nSELECT 1 / 0;\n"
+            ),
+        },
+    )
+
+    for _ in range(2):  # refused again: never "up to date"
+        with pytest.raises(MigrationError, match=r"0002_commit\.sql contains transaction control"):
+            migrate(dsn, sql_root=root)
+
+    assert not table_exists(dsn, "ql3.schema_history")  # not even the ledger was created
+    for table in ("widgets", "t1", "t2"):
+        assert not table_exists(dsn, f"ql3.{table}") and not table_exists(dsn, f"public.{table}")
+
+
+def test_transaction_words_in_comments_strings_bodies_and_names_are_not_control(
+    dsn: str, tmp_path: Path
+) -> None:
+    text = """-- COMMIT;
+/* ROLLBACK; /* END; */ */
+SELECT 'COMMIT;', E'\\'; END;', $tag$ ROLLBACK; $tag$;
+CREATE TABLE "end" ("commit" int);
+DO $$ BEGIN PERFORM 1; END $$;
+CREATE FUNCTION plain() RETURNS int LANGUAGE plpgsql AS $$ BEGIN RETURN 1; END $$;
+CREATE FUNCTION atomic() RETURNS int LANGUAGE sql
+BEGIN ATOMIC
+  SELECT CASE WHEN true THEN 1 END;
+END;
+"""
+    root = write_tree(tmp_path, {"core/0001_words.sql": text})
+
+    assert migrate(dsn, sql_root=root) == [Applied("core", 1, "words")]
+    assert fetch(dsn, "SELECT ql3.atomic(), ql3.plain()") == [(1, 1)]
+
+
+def test_migration_that_commits_by_itself_is_reported(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file the up-front check missed: the runner still notices after the fact.
+    monkeypatch.setattr(migrate_module, "refuse_transaction_control", lambda migration: None)
     root = write_tree(tmp_path, {"core/0001_commit.sql": "COMMIT;\nBEGIN;\n"})
 
     with pytest.raises(MigrationError, match="ended the runner's transaction"):
         migrate(dsn, sql_root=root)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CREATE TABLE t1 (x int);\nCOMMIT;\nCREATE TABLE t2 (x int);\nSELECT 1 / 0;\n",
+        "CREATE TABLE t1 (x int);\nCOMMIT;\nBEGIN;\nSELECT 1 / 0;\n",
+    ],
+)
+def test_a_file_that_ended_the_runners_transaction_then_failed_is_not_called_rolled_back(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    monkeypatch.setattr(migrate_module, "refuse_transaction_control", lambda migration: None)
+    root = write_tree(tmp_path, {"core/0001_commit.sql": text})
+
+    with pytest.raises(MigrationError, match="ended the runner's transaction") as failed:
+        migrate(dsn, sql_root=root)
+
+    assert "rolled back" not in str(failed.value)
+    assert versions(dsn) == [1]  # what the message warns of: the COMMIT kept the ledger row
 
 
 def test_empty_migration_is_recorded(dsn: str, tmp_path: Path) -> None:
@@ -634,6 +703,24 @@ def test_cli_without_a_database_exits_2(
     assert run_cli("migrate") == 2
     assert run_cli("ready") == 2
     assert "pass --dsn or set QL3_DSN" in capsys.readouterr().err
+
+
+def test_a_malformed_dsn_is_invalid_argument_without_a_traceback(
+    cli_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(InvalidArgument, match="malformed connection string"):
+        migrate("bogus", sql_root=cli_root)
+    with pytest.raises(InvalidArgument, match="malformed connection string"):
+        ready("host='unterminated", with_ai=False, sql_root=cli_root)
+
+    assert run_cli("migrate", "--dsn", "bogus") == 2
+    monkeypatch.setenv("QL3_DSN", "postgresql://[::1")
+    assert run_cli("ready") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(
+        line.startswith(f"error: ql3 {command}: QL3_INVALID_ARGUMENT: malformed connection")
+        for line, command in zip(err, ("migrate", "ready"), strict=True)
+    )
 
 
 def test_cli_rejects_a_malformed_target(cli_root: Path) -> None:

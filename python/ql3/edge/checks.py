@@ -69,6 +69,13 @@ def check_identifier(field: str, value: object) -> str:
     return value
 
 
+def check_no_nul(*values: object) -> None:
+    """Text arguments of a read, as PostgreSQL's client refuses them: none may hold U+0000
+    (there is no such text to look up; the SQLite file would just find nothing)."""
+    if any(isinstance(v, str) and "\x00" in v for v in values):
+        invalid("a text argument contains U+0000")
+
+
 def check_shape(
     what: str,
     command: object,

@@ -20,6 +20,7 @@ from ql3.edge.checks import (
     as_optional_bigint,
     check_currency,
     check_identifier,
+    check_no_nul,
     check_result_code,
     check_sha256,
     check_shape,
@@ -718,6 +719,7 @@ def usage_summary(
         invalid("project_id is required")
     if not isinstance(project_id, str):
         invalid(f"project_id must be text, not {type(project_id).__name__}")
+    check_no_nul(project_id)
     if len(project_id) > canonical.MAX_IDENTIFIER_CHARS:
         raise errors.IdentifierTooLong(
             f"QL3_IDENTIFIER_TOO_LONG: project_id has {len(project_id)} characters (at most 128)"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from fix_logging import root_logging
 from fix_servers import base_dsn, db_dsn, fresh_db, migrated_template, redis_url, test_servers
 from fix_stores import store
 
@@ -9,6 +10,7 @@ __all__ = [
     "fresh_db",
     "migrated_template",
     "redis_url",
+    "root_logging",
     "store",
     "test_servers",
 ]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,16 +118,6 @@ def test_a_malformed_dsn_is_invalid_argument_without_a_traceback(
                        "--contract", "c", "--body", "{}", "--dsn", "host='x")  # fmt: skip
     assert code == 1
     assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
-
-
-@pytest.fixture
-def root_logging() -> Iterator[None]:
-    """The root logger as it was: ``ql3 relay`` and ``ql3 recover --loop`` configure it."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_relay_bad_log_level_and_metrics_port_are_clean_errors(

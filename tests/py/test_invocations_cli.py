@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import queue
 import signal
@@ -401,16 +400,6 @@ def test_recovery_settings_from_the_environment_are_checked_too() -> None:
         for text in ("nan", "inf", "1e10"):
             with pytest.raises(errors.InvalidArgument, match="at most 86400"):
                 recovery.config_from_args(args, {var: text})
-
-
-@pytest.fixture
-def root_logging() -> Iterator[None]:
-    """The root logger as it was: ``ql3 recover --loop`` configures it."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_recover_loop_bad_flags_are_clean_errors(

@@ -1134,10 +1134,11 @@ def register(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ql3.relay``: the same as ``ql3 relay``."""
-    parser = argparse.ArgumentParser(prog="ql3 relay", description=__doc__)
-    add_arguments(parser)
-    return command(parser.parse_args(argv))
+    """``python -m ql3.relay``: exactly ``ql3 relay`` (its bad input included: an
+    ``error: QL3_...`` line, never a traceback)."""
+    from ql3 import cli  # cli imports this module to register the command
+
+    return cli.main(["relay", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

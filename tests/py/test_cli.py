@@ -137,3 +137,13 @@ def test_relay_bad_log_level_and_metrics_port_are_clean_errors(
             last = err.strip().splitlines()[-1]
             assert last.startswith(f"error: QL3_INVALID_ARGUMENT: {message}"), err
             assert "Traceback" not in err
+
+
+def test_python_m_ql3_relay_is_ql3_relay_bad_input_included() -> None:
+    env = {**os.environ, "QL3_DSN": "dbname=never_reached", "QL3_REDIS_URL": "redis://h:1/0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ql3.relay", "--log-level", "bogus"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: QL3_INVALID_ARGUMENT: log level 'bogus'"), done.stderr

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Final, Protocol, TypeVar
+from typing import Final, Protocol, TypeVar, overload
 
 from ql3 import canonical
 from ql3.canonical import JSON
@@ -164,6 +164,18 @@ def format_timestamp(moment: datetime) -> str:
         f"{u.year:04d}-{u.month:02d}-{u.day:02d}T"
         f"{u.hour:02d}:{u.minute:02d}:{u.second:02d}.{u.microsecond:06d}Z"
     )
+
+
+@overload
+def as_utc(moment: datetime) -> datetime: ...
+@overload
+def as_utc(moment: None) -> None: ...
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A bound of a time range: an aware datetime as it is, a naive one taken as UTC (never
+    as the session's or the machine's time zone), None as None."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
 
 
 def parse_timestamp(text: str) -> datetime:
@@ -378,6 +390,7 @@ __all__ = [
     "Usage",
     "WriteStatus",
     "admission_command",
+    "as_utc",
     "command_digest",
     "completion_command",
     "format_timestamp",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -20,7 +20,7 @@ from psycopg_pool import ConnectionPool
 
 from ql3 import errors
 from ql3.db import Timeouts, make_pool, translated
-from ql3.invocations import recovery_arguments
+from ql3.invocations import as_utc, recovery_arguments
 
 Row = dict[str, Any]
 _log = logging.getLogger("ql3.store")
@@ -31,13 +31,6 @@ CREATE_RUN_SQL = "SELECT ql3.create_run(%s, %s, %s::uuid)"
 ADD_STEP_RUN_SQL = "SELECT ql3.add_step_run(%s::uuid, %s, %s::uuid)"
 RECOVER_EXPIRED_SQL = "SELECT ql3_ai.recover_expired(%s, %s)"
 _WAKE_SQL = "SELECT ql3.wake_relays()"
-
-
-def as_utc(moment: datetime | None) -> datetime | None:
-    """An aware datetime as it is; a naive one as UTC (never the session's time zone)."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)
 
 
 def command_sql(function: str) -> str:

@@ -8,9 +8,11 @@ database or send messages meanwhile, then let the answer through and check what 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from ql3.cache import _LOAD_ONE_SQL, _VERIFY_SQL, BodyHashMismatch, RevisionCach
 from ql3.relay import project_channel
 from test_cache import (
     FAMILY,
+    Db,
     fake_heartbeats,
     operator,
     publish,
@@ -33,6 +36,21 @@ KEY = ("proj", FAMILY, "routing")
 @pytest.fixture
 def prefix() -> str:
     return f"test:{uuid.uuid4().hex[:10]}"
+
+
+@contextlib.asynccontextmanager
+async def steady_worker(
+    db_dsn: str, redis_url: str, prefix: str
+) -> AsyncIterator[tuple[Db, RevisionCache]]:
+    """An operator connection and a worker cache in normal mode: heartbeats are faked and
+    no relay runs, so a test announces (or withholds) each message by hand."""
+    async with (
+        operator(db_dsn) as ops,
+        fake_heartbeats(redis_url, prefix),
+        worker(db_dsn, redis_url, prefix, staleness=60.0) as c,
+    ):
+        await until(lambda: c.mode == "normal", 5, "normal mode")
+        yield ops, c
 
 
 def event(key: tuple[str, str, str], pointer_version: int) -> str:
@@ -99,12 +117,7 @@ def test_a_message_nested_too_deeply_to_parse_is_counted_as_malformed_and_ignore
     db_dsn: str, redis_url: str, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def scenario() -> None:
-        async with (
-            operator(db_dsn) as ops,
-            fake_heartbeats(redis_url, prefix),
-            worker(db_dsn, redis_url, prefix, staleness=60.0) as c,
-        ):
-            await until(lambda: c.mode == "normal", 5, "normal mode")
+        async with steady_worker(db_dsn, redis_url, prefix) as (ops, c):
             await ops.activate(KEY, {"v": 1})
             await c.get_effective(*KEY)
             second = await ops.activate(KEY, {"v": 2})  # no relay: announced by hand below
@@ -128,12 +141,7 @@ def test_an_unexpected_error_in_the_subscription_loop_resubscribes_and_reverifie
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def scenario() -> None:
-        async with (
-            operator(db_dsn) as ops,
-            fake_heartbeats(redis_url, prefix),
-            worker(db_dsn, redis_url, prefix, staleness=60.0) as c,
-        ):
-            await until(lambda: c.mode == "normal", 5, "normal mode")
+        async with steady_worker(db_dsn, redis_url, prefix) as (ops, c):
             await ops.activate(KEY, {"v": 1})
             await c.get_effective(*KEY)
             second = await ops.activate(KEY, {"v": 2})  # no relay: this message is lost
@@ -227,12 +235,7 @@ def test_a_real_message_after_an_unconfirmed_hint_is_still_read(
     channel = project_channel(prefix, KEY[0])
 
     async def scenario() -> None:
-        async with (
-            operator(db_dsn) as ops,
-            fake_heartbeats(redis_url, prefix),
-            worker(db_dsn, redis_url, prefix, staleness=60.0) as c,
-        ):
-            await until(lambda: c.mode == "normal", 5, "normal mode")
+        async with steady_worker(db_dsn, redis_url, prefix) as (ops, c):
             first = await ops.activate(KEY, {"v": 1})
             assert (await c.get_effective(*KEY)).revision_id == first
             held = HeldReads(c, _LOAD_ONE_SQL, monkeypatch)
@@ -256,12 +259,7 @@ def test_a_load_sent_before_a_refused_revision_does_not_install_an_older_one(
     db_dsn: str, redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario() -> None:
-        async with (
-            operator(db_dsn) as ops,
-            fake_heartbeats(redis_url, prefix),
-            worker(db_dsn, redis_url, prefix, staleness=60.0) as c,
-        ):
-            await until(lambda: c.mode == "normal", 5, "normal mode")
+        async with steady_worker(db_dsn, redis_url, prefix) as (ops, c):
             await ops.activate(KEY, {"v": 1})
             held = HeldReads(c, _LOAD_ONE_SQL, monkeypatch)
             caller = asyncio.create_task(c.get_effective(*KEY))

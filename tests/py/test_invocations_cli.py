@@ -338,16 +338,21 @@ class LineReader:
         raise AssertionError(f"no {event} log line; saw: {''.join(self.seen)}")
 
 
+def start_recover_loop(dsn: str, *flags: str) -> tuple[subprocess.Popen[str], LineReader]:
+    """``ql3 recover --loop --grace 0 --metrics-port 0 FLAGS`` as a process of its own on
+    ``dsn``, and a reader of its log lines."""
+    exe = Path(sys.executable).with_name("ql3")
+    argv = [str(exe), "recover", "--loop", "--grace", "0", "--metrics-port", "0", *flags]
+    env = {**os.environ, "QL3_DSN": dsn}
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    return proc, LineReader(proc.stderr)
+
+
 def test_recover_loop_process_recovers_serves_metrics_and_exits_0_on_sigterm(
     runtime: PgStore, db_dsn: str
 ) -> None:
-    exe = Path(sys.executable).with_name("ql3")
-    env = {**os.environ, "QL3_DSN": role_dsn(db_dsn, "operator")}
-    argv = [str(exe), "recover", "--loop", "--grace", "0", "--interval", "0.1",
-            "--metrics-port", "0"]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    logs = LineReader(proc.stderr)
+    proc, logs = start_recover_loop(role_dsn(db_dsn, "operator"), "--interval", "0.1")
     try:
         port = int(logs.until("metrics_listening")["port"])
         _, expired = running(runtime, deadline=PAST)
@@ -489,14 +494,10 @@ def test_sigterm_ends_the_daemon_within_stop_grace_even_while_a_batch_hangs(
     db_dsn: str,
     pg_proxy: PgProxy,  # noqa: F811
 ) -> None:
-    exe = Path(sys.executable).with_name("ql3")
-    env = {**os.environ, "QL3_DSN": pg_proxy.dsn(role_dsn(db_dsn, "operator"))}
-    argv = [str(exe), "recover", "--loop", "--grace", "0", "--interval", "0.05",
-            "--statement-timeout", "0.5", "--health-margin", "0.5", "--stop-grace", "1",
-            "--metrics-port", "0"]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    logs = LineReader(proc.stderr)
+    proc, logs = start_recover_loop(
+        pg_proxy.dsn(role_dsn(db_dsn, "operator")), "--interval", "0.05",
+        "--statement-timeout", "0.5", "--health-margin", "0.5", "--stop-grace", "1",
+    )  # fmt: skip
     try:
         port = int(logs.until("metrics_listening")["port"])
         wait_for_health(port, "ok")

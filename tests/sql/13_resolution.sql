@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(94);
+SELECT plan(96);
 
 -- Fixture: run R1 with model steps S1..S9 admitted as inv-rN; then completions:
 -- r1, r2, r3, r8 and the vector invocation on S9 lost; r4 succeeded; r5 still running;
@@ -395,6 +395,26 @@ SELECT * FROM tests.rejects(
         '3'))$$,
     'Q3C01', 'a replay whose stored resolution_digest was changed is QL3_CONFLICT',
     'QL3_CONFLICT: stored resolution record no longer matches its digest ' || repeat('0', 64)
+);
+RESET ROLE;
+
+-- Nor can the runtime reuse the resolution of an older attempt of the same step: a step
+-- running its second attempt, marked lost by hand under its first (resolved) invocation,
+-- cannot leave lost (D33: only a resolution of the step's newest start counts).
+SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000001', 'model', 'bbbbbbbb-0000-0000-0000-0000000000f1');
+SELECT ql3_ai.admit_invocation(tests.admission(
+    'inv-f1', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-0000000000f1', 1));
+SELECT ql3_ai.complete_invocation(tests.completion('inv-f1', 'lost', 'outcome_unknown'));
+SELECT ql3_ai.resolve_invocation(tests.resolution('inv-f1', 'retry'));
+SELECT ql3_ai.admit_invocation(tests.admission(
+    'inv-f2', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-0000000000f1', 4));
+SET ROLE ql3_runtime;
+UPDATE ql3.step_runs SET status = 'lost', current_invocation_id = 'inv-f1', result_code = 'outcome_unknown'
+WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-0000000000f1';
+SELECT * FROM tests.rejects(
+    $$UPDATE ql3.step_runs SET status = 'ready', current_invocation_id = NULL, result_code = NULL
+      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-0000000000f1'$$,
+    'Q3S01', 'the resolution of an older attempt does not let the runtime move a lost step'
 );
 RESET ROLE;
 

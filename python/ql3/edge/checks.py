@@ -132,15 +132,6 @@ def checked_digest(what: str, domain: str, value: Any) -> tuple[str, str]:
     return digest, encoded.decode("utf-8")
 
 
-def as_bigint(value: Any) -> int:
-    """``(command ->> field)::bigint`` of a field ``check_shape`` passed as an integer."""
-    return int(value)
-
-
-def as_optional_bigint(value: Any) -> int | None:
-    return None if value is None else as_bigint(value)
-
-
 def check_uuid(field: str, value: str) -> str:
     """``ql3_ai._uuid``: only the canonical lowercase hyphenated spelling."""
     if (

@@ -11,13 +11,11 @@ the comments name the SQL they mirror where the translation is not obvious. The 
 from __future__ import annotations
 
 import sqlite3
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Final
 
 from ql3 import canonical, errors
 from ql3.edge.checks import (
-    as_bigint,
-    as_optional_bigint,
     check_currency,
     check_identifier,
     check_no_nul,
@@ -37,6 +35,7 @@ from ql3.invocations import (
     RESOLUTION_COMMAND_SCHEMA,
     RESOLUTION_SCHEMA,
     START_SCHEMA,
+    as_utc,
     completion_command,
     recovery_arguments,
 )
@@ -153,11 +152,11 @@ def admit_invocation(tx: Tx, command: Any) -> Row:
     check_identifier("model", command["model"])
     run_id = check_uuid("run_id", command["run_id"])
     step_run_id = check_uuid("step_run_id", command["step_run_id"])
-    expected_version = as_bigint(command["expected_step_run_version"])
+    expected_version = command["expected_step_run_version"]
     if expected_version < 1:
         invalid("expected_step_run_version must be >= 1")
     check_sha256("request_digest", command["request_digest"])
-    input_bytes = as_bigint(command["input_bytes"])
+    input_bytes = command["input_bytes"]
     check_timestamp("deadline_at", command["deadline_at"])
     policy_family = policy_contract = policy_revision = None
     if policy is not None:
@@ -318,9 +317,9 @@ def _write_completion(
     usage = command["usage"]
     input_tokens = output_tokens = cost_micros = currency = None
     if usage is not None:
-        input_tokens = as_optional_bigint(usage["input_tokens"])
-        output_tokens = as_optional_bigint(usage["output_tokens"])
-        cost_micros = as_optional_bigint(usage["cost_micros"])
+        input_tokens = usage["input_tokens"]
+        output_tokens = usage["output_tokens"]
+        cost_micros = usage["cost_micros"]
         currency = usage["currency"]
         usage = {
             "input_tokens": input_tokens,
@@ -332,7 +331,7 @@ def _write_completion(
     mutation_id, event_id, dedupe_key = _identities(invocation_id, "completion")
     run = _bump_run(tx, start["run_id"])
     tx.point("after_run_update")
-    output_bytes = as_optional_bigint(command["output_bytes"])
+    output_bytes = command["output_bytes"]
     receipt = {
         "schema": COMPLETION_SCHEMA,
         "invocation_id": invocation_id,
@@ -534,7 +533,7 @@ def resolve_invocation(tx: Tx, command: Any) -> Row:
     if decision not in DECISIONS:
         invalid(f"decision must be retry, fail or cancel, not '{str(decision)[:64]}'")
     new_status, new_result_code = DECISIONS[decision]
-    expected_version = as_bigint(command["expected_step_run_version"])
+    expected_version = command["expected_step_run_version"]
     if expected_version < 1:
         invalid("expected_step_run_version must be >= 1")
     if command["reason"] == "":
@@ -704,14 +703,6 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
     return {"count": len(recovered), "recovered": recovered}
 
 
-def _utc_bound(moment: datetime | None) -> str | None:
-    if moment is None:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)  # as a timestamptz parameter in a UTC session
-    return utc_text(moment)
-
-
 def usage_summary(
     tx: Tx, project_id: object, since: datetime | None, until: datetime | None
 ) -> list[Row]:
@@ -724,7 +715,7 @@ def usage_summary(
         raise errors.IdentifierTooLong(
             f"QL3_IDENTIFIER_TOO_LONG: project_id has {len(project_id)} characters (at most 128)"
         )
-    lower, upper = _utc_bound(since), _utc_bound(until)
+    lower, upper = (None if m is None else utc_text(as_utc(m)) for m in (since, until))
     if lower is not None and upper is not None and lower > upper:
         invalid("from is after to")
     rows = tx.all(

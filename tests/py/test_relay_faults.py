@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from fix_tcp_proxy import proxy_for
+from fix_tcp_proxy import PgProxy, proxy_for
 from ql3 import devservers
 from ql3.relay import WORK_APPLICATION_NAME, Relay, config_from_args, register
 from test_relay import (
@@ -43,6 +43,25 @@ def pg_failures(relay: Relay) -> float:
 
 def redis_failures(relay: Relay) -> float:
     return sample(relay, "ql3_relay_failures_total", target="redis")
+
+
+async def stop_while_hung(relay: Relay, proxy: PgProxy, *, stuck_for: float, within: float) -> None:
+    """Start the relay, cut its work connections silently, wait until a cycle has been stuck
+    for ``stuck_for`` seconds (a cycle runs every 0.1 s), then request a stop: the relay
+    must end, cleanly, within ``within`` seconds (and a little slack)."""
+    await relay.start()
+    await relay.wait_ready()
+    proxy.freeze()
+    await until(
+        lambda: (relay.health()["last_cycle_age_seconds"] or 0.0) > stuck_for,
+        5,
+        "a cycle stuck on the cut connection",
+    )
+    assert relay._task is not None
+    relay.request_stop()
+    done, _ = await asyncio.wait({relay._task}, timeout=within + 2.0)
+    assert done, f"the stop request waited longer than {within} s"
+    relay._task.result()  # ended cleanly
 
 
 # -- a silently cut work connection (defect: the relay hung for ever) ----------------------
@@ -90,22 +109,8 @@ def test_a_stop_request_during_a_hung_cycle_ends_within_the_postgres_timeout(
                 postgres_timeout=timeout,
             )
         )  # fmt: skip
-        await relay.start()
         try:
-            await relay.wait_ready()
-            proxy.freeze()
-            # A cycle runs every 0.1 s: one that has not ended for a second is stuck on the
-            # cut connection.
-            await until(
-                lambda: (relay.health()["last_cycle_age_seconds"] or 0.0) > 1.0,
-                5,
-                "a cycle stuck on the cut connection",
-            )
-            assert relay._task is not None
-            relay.request_stop()
-            done, _ = await asyncio.wait({relay._task}, timeout=timeout + 2.0)
-            assert done, "the stop request waited longer than the postgres timeout"
-            relay._task.result()  # ended cleanly
+            await stop_while_hung(relay, proxy, stuck_for=1.0, within=timeout)
             assert pg_failures(relay) == 1
         finally:
             proxy.close()  # lets an old, hung relay end too
@@ -262,20 +267,8 @@ def test_a_stop_request_gives_a_hung_cycle_only_the_stop_grace(
                 postgres_timeout=60.0, stop_grace=grace,
             )
         )  # fmt: skip
-        await relay.start()
         try:
-            await relay.wait_ready()
-            proxy.freeze()
-            await until(
-                lambda: (relay.health()["last_cycle_age_seconds"] or 0.0) > 0.5,
-                5,
-                "a cycle stuck on the cut connection",
-            )
-            assert relay._task is not None
-            relay.request_stop()
-            done, _ = await asyncio.wait({relay._task}, timeout=grace + 2.0)
-            assert done, "the stop request waited longer than the stop grace"
-            relay._task.result()
+            await stop_while_hung(relay, proxy, stuck_for=0.5, within=grace)
         finally:
             proxy.close()
             await relay.stop()

@@ -307,6 +307,9 @@ def run(settings: Settings) -> Result:
             f"apart; {WORKERS} RevisionCache instances in {PROCESSES} processes of "
             f"{WORKERS // PROCESSES}",
             "p99 of 100 samples interpolates between the two slowest",
+            "each helper freezes its start-up heap (gc.freeze) before the samples: a full "
+            "collection of 50 caches' heaps paused a helper 30-75 ms, a pause one worker's "
+            "heap would not cause (D36)",
             "all 100 workers share this machine's 2 cores with PostgreSQL, Redis and the relay: "
             "the 100-worker figure is bound by the total CPU of 100 reloads; the 1-worker "
             "figure is what a worker with a core of its own sees",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -29,6 +30,18 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from ql3.cache import EffectiveRevision, RevisionCache
+
+
+def settle_heap() -> None:
+    """Move everything set up so far out of the garbage collector's reach (``gc.freeze``).
+
+    One helper stands in for many worker processes, so its heap is many workers' heaps in
+    one: a full collection walks all of them (30-75 ms measured with 50 caches), a pause no
+    single worker would have. Frozen objects are never scanned again; what the measured
+    messages and reloads allocate is still collected as usual.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def say(*words: object) -> None:
@@ -89,6 +102,7 @@ async def raw_subscribers(url: str, channel: str, count: int) -> None:
                 del seen[seq]
 
     tasks = [asyncio.create_task(listen(p)) for p in pubsubs]
+    settle_heap()
     say("ready")
     await stop.wait()
     for task in tasks:
@@ -132,6 +146,7 @@ async def cache_workers(
             await asyncio.sleep(0.05)
         modes = sorted({c.mode for c in caches})
         armed = True
+        settle_heap()
         say("ready", ",".join(modes))
         await stop.wait()
     finally:

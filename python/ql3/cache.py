@@ -59,7 +59,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ql3 import canonical, errors
-from ql3.db import translate
+from ql3.db import CALL_MARGIN_S, translate
+from ql3.db_guard import bounded_async
 from ql3.logs import backoff_delay
 from ql3.relay import (
     DEFAULT_CHANNEL_PREFIX,
@@ -199,7 +200,9 @@ class RevisionCache:
     pattern). ``max_staleness`` overrides the per-family budget from ``contract_families``
     (seconds; tests shorten it). ``heartbeat_timeout`` is how long without a relay
     heartbeat before the cache degrades (keep it at several relay heartbeat intervals).
-    ``db_timeout`` bounds the wait for a database connection of the cache's own pool.
+    ``db_timeout`` bounds the wait for a database connection of the cache's own pool; a
+    read that has no answer ``db_timeout`` + 5 seconds after it was sent is given up
+    (``Unavailable``, its connection dropped).
 
     The cache's own pool is autocommit and does not check connections on checkout: every
     read is one statement, so a reload is one round trip, not four (check, BEGIN, query,
@@ -239,6 +242,9 @@ class RevisionCache:
         else:
             self._pool = conninfo_or_pool
             self._owns_pool = False
+        # A read that has no answer after this long is given up (ql3.db_guard): a backend
+        # that stopped answering must not hold a reload, or a get_effective, forever.
+        self._read_limit = db_timeout + CALL_MARGIN_S
         self._redis_url = redis_url
         self._prefix = channel_prefix
         self._projects = sorted(set(projects)) if projects is not None else None
@@ -471,11 +477,12 @@ class RevisionCache:
                 # no COMMIT call on an autocommit connection, on the path of every reload.
                 conn = await self._pool.getconn()
                 try:
-                    cur = conn.cursor(row_factory=dict_row)
-                    await cur.execute(sql, params)
-                    rows: list[dict[str, Any]] = await cur.fetchall()
-                    if not conn.autocommit:  # a pool passed in may open transactions
-                        await conn.commit()
+                    async with bounded_async(self._read_limit):
+                        cur = conn.cursor(row_factory=dict_row)
+                        await cur.execute(sql, params)
+                        rows: list[dict[str, Any]] = await cur.fetchall()
+                        if not conn.autocommit:  # a pool passed in may open transactions
+                            await conn.commit()
                 except Exception:
                     if not conn.autocommit and not conn.closed:
                         with contextlib.suppress(psycopg.Error):

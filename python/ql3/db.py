@@ -4,6 +4,7 @@ place where psycopg errors become ql3 errors (upper layers never import psycopg)
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,9 +33,29 @@ class Timeouts:
     # How long data sent may go unacknowledged before the kernel drops the connection
     # (libpq's tcp_user_timeout); a silent peer is otherwise noticed by the keepalives.
     tcp_user_timeout_s: float = 30.0
+    # How long a store call may go unanswered before it is given up (its outcome unknown,
+    # ql3.db_guard); None = the statement timeout plus CALL_MARGIN_S. statement_timeout
+    # does not stop a COMMIT waiting for a synchronous standby, nor a backend that has
+    # stopped answering while its host still acknowledges packets.
+    call_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.call_s is not None and not 0 < self.call_s < math.inf:
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: call_s must be a positive number of seconds, "
+                f"not {self.call_s}"
+            )
 
     def options(self) -> str:
         return f"-c statement_timeout={self.statement_ms} -c lock_timeout={self.lock_ms}"
+
+    def call_limit(self) -> float:
+        return self.call_s if self.call_s is not None else self.statement_ms / 1000 + CALL_MARGIN_S
+
+
+# What a call gets beyond its statement timeout before it is given up: a COMMIT's flush,
+# the round trip, a busy machine.
+CALL_MARGIN_S = 5.0
 
 
 def dsn_from_env(dsn: str | None) -> str:

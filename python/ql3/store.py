@@ -6,9 +6,10 @@ contract); rows come back as dicts with uuids as strings. Errors are ``ql3.error
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from ql3 import errors
 from ql3.db import Timeouts, make_pool, translated
+from ql3.db_guard import bounded, checked_out
 from ql3.invocations import as_utc, recovery_arguments
 
 Row = dict[str, Any]
@@ -94,6 +96,7 @@ class PgStore:
         timeouts: Timeouts | None = None,
         max_connections: int = 8,
     ) -> None:
+        self._call_limit = (timeouts or Timeouts()).call_limit()
         if isinstance(conninfo_or_pool, ConnectionPool):
             self.pool = conninfo_or_pool
             self._owns_pool = False
@@ -113,8 +116,18 @@ class PgStore:
 
     # -- plumbing -------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Connection[Any]]:
+        """A live connection of the pool, for one call bounded by the call limit."""
+        with (
+            translated(),
+            checked_out(self.pool.connection) as conn,
+            bounded(conn, self._call_limit),
+        ):
+            yield conn
+
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        with translated(), self.pool.connection() as conn:
+        with self._connection() as conn:
             return self._rows_on(conn, sql, params)
 
     @staticmethod
@@ -128,7 +141,7 @@ class PgStore:
         return rows[0] if rows else None
 
     def _value(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        with translated(), self.pool.connection() as conn:
+        with self._connection() as conn:
             found = conn.execute(sql, params).fetchone()
             return None if found is None else found[0]
 
@@ -180,7 +193,7 @@ class PgStore:
         without that setting, the outbox trigger NOTIFYs at COMMIT as well, which is
         correct, only slower under concurrency.
         """
-        with translated(), self.pool.connection() as conn:
+        with self._connection() as conn:
             if conn.autocommit:
                 return _null_row(_call_then_wake(conn, sql, params))
             event = _null_row(next(iter(self._rows_on(conn, sql, params)), None))

@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ql3.db import Timeouts, make_async_pool, translated
+from ql3.db_guard import bounded_async, checked_out_async
 from ql3.invocations import recovery_arguments
 from ql3.store import ADD_STEP_RUN_SQL, CREATE_RUN_SQL, RECOVER_EXPIRED_SQL, Row, command_sql
 
@@ -33,6 +34,7 @@ class AsyncPgStore:
         timeouts: Timeouts | None = None,
         max_connections: int = 8,
     ) -> None:
+        self._call_limit = (timeouts or Timeouts()).call_limit()
         if isinstance(conninfo_or_pool, AsyncConnectionPool):
             self.pool = conninfo_or_pool
             self._owns_pool = False
@@ -65,9 +67,10 @@ class AsyncPgStore:
         if not self._opened:
             await self.open()
         with translated():
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(sql, params)
-                found = await cur.fetchone()
+            async with checked_out_async(self.pool.connection) as conn:
+                async with bounded_async(self._call_limit):
+                    cur = await conn.execute(sql, params)
+                    found = await cur.fetchone()
                 return None if found is None else found[0]
 
     async def _command(self, function: str, command: Mapping[str, Any]) -> Row:

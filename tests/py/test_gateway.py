@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
@@ -634,18 +635,43 @@ def test_connection_lost_after_sending_is_lost(world: World) -> None:
 def test_failed_completion_write_withholds_the_result_and_recovery_settles_lost(
     world: World,
 ) -> None:
+    """The gateway's connection is killed while its completion write runs (a connection
+    killed while idle is replaced before use: ql3.db_guard)."""
     call = world.call()
+    killed: list[int] = []
 
-    async def kill_gateway_connections(command: Mapping[str, Any]) -> None:
-        await asyncio.to_thread(
-            world.query,
-            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
-            "WHERE application_name = %s",
-            GATEWAY_APP,
-        )
+    def kill_completion_in_flight(locked: threading.Event) -> None:
+        # Hold the step's row lock, so that the completion write waits on it; kill the
+        # gateway's backend that waits, then let go.
+        with psycopg.connect(world.dsn) as locker:
+            locker.execute(
+                "SELECT 1 FROM ql3.step_runs WHERE step_run_id = %s FOR UPDATE",
+                (world.step_run_id,),
+            )
+            locked.set()
+            deadline = time.monotonic() + 10
+            while not killed and time.monotonic() < deadline:
+                for row in world.query(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+                    " AND wait_event_type = 'Lock'",
+                    GATEWAY_APP,
+                ):
+                    killed.append(row["pid"])
+                    world.query("SELECT pg_terminate_backend(%s, 5000)", row["pid"])
+                time.sleep(0.02)
+            locker.rollback()
+
+    killers: list[threading.Thread] = []
+
+    async def kill_during_completion(command: Mapping[str, Any]) -> None:
+        locked = threading.Event()
+        killer = threading.Thread(target=kill_completion_in_flight, args=(locked,), daemon=True)
+        killers.append(killer)
+        killer.start()
+        assert await asyncio.to_thread(locked.wait, 10)
 
     async def scenario() -> None:
-        hooks = GatewayHooks(before_completion=kill_gateway_connections)
+        hooks = GatewayHooks(before_completion=kill_during_completion)
         async with harness(world, hooks=hooks) as h:
             with pytest.raises(ModelAuditUnavailable) as caught:
                 await h.gateway.invoke(due_in(call, 1.5))
@@ -653,6 +679,9 @@ def test_failed_completion_write_withholds_the_result_and_recovery_settles_lost(
         assert not hasattr(caught.value, "text")
 
     run(scenario())
+    for killer in killers:
+        killer.join(15)
+    assert len(killed) == 1
     assert world.provider.calls == 1
     assert world.completion(call.invocation_id) is None
     assert world.step()["status"] == "running"

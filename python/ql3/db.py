@@ -16,11 +16,15 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ql3 import errors
 
-# SQLSTATE classes that mean "the database did not answer": connection exceptions,
-# operator intervention (shutdown), query canceled (statement timeout), lock timeout.
-_UNAVAILABLE_PREFIXES = ("08", "57", "55P03", "53")
-# Input PostgreSQL itself rejected before ql3 saw it (bad JSON text, bad uuid, NUL).
-_BAD_INPUT_STATES = {"22P02", "22P05", "22007", "22008", "22023", "22003"}
+# SQLSTATEs that mean "not now, try again": the database did not answer (connection
+# exceptions, operator intervention such as a shutdown, query canceled by the statement
+# timeout, lock timeout, insufficient resources), or it rolled the call back for a
+# transient reason (serialization failure, deadlock, statement completion unknown), or
+# the connection reached a read-only standby (after a failover, before DNS follows).
+_UNAVAILABLE_PREFIXES = ("08", "57", "55P03", "53", "40001", "40P01", "40003", "25006")
+# Input PostgreSQL itself rejected before ql3 saw it (bad JSON text, bad uuid, NUL, a
+# value of a type that cannot be cast to the parameter's, such as a number for a uuid).
+_BAD_INPUT_STATES = {"22P02", "22P05", "22007", "22008", "22023", "22003", "42846"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +78,13 @@ def translate(exc: psycopg.Error) -> errors.Ql3Error:
     if mapped is not None:
         return mapped
     state = exc.sqlstate or ""
+    result = _translate_other(exc, state, message)
+    if state:
+        result.sqlstate = state  # PostgreSQL's own state, for callers that tell them apart
+    return result
+
+
+def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3Error:
     if isinstance(exc, psycopg.OperationalError) and not state:
         return errors.Unavailable(message)
     if isinstance(exc, psycopg.DataError) and not state:
@@ -86,16 +97,34 @@ def translate(exc: psycopg.Error) -> errors.Ql3Error:
         return errors.PermissionDenied(message)
     if state in _BAD_INPUT_STATES:
         return errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: {message}")
+    if state in _MISSING_OBJECT_STATES and "ql3" in message:
+        return errors.DatabaseError(
+            f"{message} (SQLSTATE {state}): is ql3 installed in this database? "
+            "Run ql3 migrate (with --with-ai for model invocations)"
+        )
     return errors.DatabaseError(f"{message} (SQLSTATE {state or 'none'})")
+
+
+# A ql3 table, schema or function that does not exist: the database was never migrated,
+# or not with the AI stream.
+_MISSING_OBJECT_STATES = {"42P01", "3F000", "42883"}
 
 
 @contextlib.contextmanager
 def translated() -> Iterator[None]:
-    """Re-raises psycopg errors raised in the block as ql3 errors."""
+    """Re-raises psycopg errors raised in the block as ql3 errors, and the TypeError or
+    ValueError of an argument psycopg cannot send (a value JSON cannot hold, text that is
+    not valid Unicode) as InvalidArgument."""
     try:
         yield
     except psycopg.Error as exc:
         raise translate(exc) from exc
+    except errors.Ql3Error:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: an argument cannot be sent: {exc}"
+        ) from exc
 
 
 def parse_conninfo(conninfo: str) -> dict[str, Any]:

@@ -173,7 +173,13 @@ def as_utc(moment: None) -> None: ...
 def as_utc(moment: datetime | None) -> datetime | None:
     """A bound of a time range: an aware datetime as it is, a naive one taken as UTC (never
     as the session's or the machine's time zone), None as None."""
-    if moment is None or moment.tzinfo is not None:
+    if moment is None:
+        return None
+    if not isinstance(moment, datetime):
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: a time bound must be a datetime, not {type(moment).__name__}"
+        )
+    if moment.tzinfo is not None:
         return moment
     return moment.replace(tzinfo=UTC)
 

@@ -40,6 +40,15 @@ def command_sql(function: str) -> str:
     return f"SELECT ql3_ai.{function}(%s)"
 
 
+def command_json(command: Mapping[str, Any]) -> Jsonb:
+    """A JSON command as the parameter of its function; anything but a mapping is refused."""
+    if not isinstance(command, Mapping):
+        raise errors.InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: a command must be a JSON object, not {type(command).__name__}"
+        )
+    return Jsonb(dict(command))
+
+
 def _plain(row: Row | None) -> Row | None:
     """The row with uuids as strings, so results compare equal across stores."""
     if row is None:
@@ -260,7 +269,7 @@ class PgStore:
     # -- model invocations (stream ql3_ai) ------------------------------------------------
 
     def _command(self, function: str, command: Mapping[str, Any]) -> Row:
-        result = self._value(command_sql(function), (Jsonb(dict(command)),))
+        result = self._value(command_sql(function), (command_json(command),))
         assert isinstance(result, dict)
         return result
 

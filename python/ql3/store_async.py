@@ -11,13 +11,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ql3.db import Timeouts, make_async_pool, translated
 from ql3.db_guard import bounded_async, checked_out_async
 from ql3.invocations import recovery_arguments
-from ql3.store import ADD_STEP_RUN_SQL, CREATE_RUN_SQL, RECOVER_EXPIRED_SQL, Row, command_sql
+from ql3.store import (
+    ADD_STEP_RUN_SQL,
+    CREATE_RUN_SQL,
+    RECOVER_EXPIRED_SQL,
+    Row,
+    command_json,
+    command_sql,
+)
 
 
 class AsyncPgStore:
@@ -74,7 +80,7 @@ class AsyncPgStore:
                 return None if found is None else found[0]
 
     async def _command(self, function: str, command: Mapping[str, Any]) -> Row:
-        result = await self._value(command_sql(function), (Jsonb(dict(command)),))
+        result = await self._value(command_sql(function), (command_json(command),))
         assert isinstance(result, dict)
         return result
 

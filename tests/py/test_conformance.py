@@ -536,6 +536,20 @@ OTHER_CASES: list[Case] = [
         [("proj", FAMILY, "rou\x00ter")]), "QL3_INVALID_ARGUMENT"),
     ("usage of a project with a NUL", lambda w: w.store.usage_summary("pr\x00oj"),
      "QL3_INVALID_ARGUMENT"),
+    ("put with a lone surrogate in the contract", lambda w: w.store.put_revision(
+        "proj", FAMILY, "c\ud800", {}, "ops"), "QL3_INVALID_ARGUMENT"),
+    ("active revision of a project with a lone surrogate", lambda w: w.store.active_revision(
+        "pr\udfffoj", FAMILY, "router"), "QL3_INVALID_ARGUMENT"),
+    ("put a body holding a datetime", lambda w: w.store.put_revision(
+        "proj", FAMILY, "c", {"at": datetime(2026, 1, 1, tzinfo=UTC)}, "ops"),
+     "QL3_INVALID_ARGUMENT"),
+    ("admit a command that is not an object", lambda w: w.store.admit_invocation(None),
+     "QL3_INVALID_ARGUMENT"),
+    ("complete a command that is a list", lambda w: w.store.complete_invocation([]),
+     "QL3_INVALID_ARGUMENT"),
+    ("usage since a text date", lambda w: w.store.usage_summary("proj", "yesterday"),
+     "QL3_INVALID_ARGUMENT"),
+    ("revision by a number", lambda w: w.store.revision(12345), "QL3_INVALID_ARGUMENT"),
 ]  # fmt: skip
 
 ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES
@@ -550,6 +564,8 @@ def test_every_refusal_has_the_same_code_and_writes_nothing(store: Store) -> Non
             call(world)
         except errors.Ql3Error as exc:
             got = exc.code
+        except Exception as exc:  # anything else is a store letting bad input through raw
+            got = f"raw {type(exc).__name__}: {exc}"
         else:
             got = "no error"
         if got != code:

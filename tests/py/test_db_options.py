@@ -110,3 +110,34 @@ def test_a_server_sqlstate_keeps_its_mapping(db_dsn: str) -> None:
             conn.execute("SELECT 1 / 0")
         with pytest.raises(errors.InvalidArgument), db.translated():
             conn.execute("SELECT 'x'::uuid")
+
+
+@pytest.mark.parametrize(
+    ("sql", "sqlstate", "kind"),
+    [
+        # transient refusals: nothing was written, a retry may succeed
+        ("DO $$BEGIN RAISE EXCEPTION USING ERRCODE = '40001'; END$$", "40001", errors.Unavailable),
+        ("DO $$BEGIN RAISE EXCEPTION USING ERRCODE = '40P01'; END$$", "40P01", errors.Unavailable),
+        ("DO $$BEGIN RAISE EXCEPTION USING ERRCODE = '25006'; END$$", "25006", errors.Unavailable),
+        # a real mistake stays a database error
+        ("SELECT 1 / 0", "22012", errors.DatabaseError),
+    ],
+)
+def test_server_states_keep_their_sqlstate_and_transient_ones_are_unavailable(
+    db_dsn: str, sql: str, sqlstate: str, kind: type[errors.Ql3Error]
+) -> None:
+    with (
+        db.connect(db_dsn, autocommit=True) as conn,
+        pytest.raises(kind) as caught,
+        db.translated(),
+    ):
+        conn.execute(sql)
+    assert caught.value.sqlstate == sqlstate
+
+
+def test_a_database_without_ql3_says_to_migrate(base_dsn: str) -> None:
+    with PgStore(base_dsn) as store:  # the server's own database: never migrated
+        with pytest.raises(errors.DatabaseError, match="ql3 migrate"):
+            store.active_revision("p", "policy_routing", "c")
+        with pytest.raises(errors.DatabaseError, match="ql3 migrate"):
+            store.usage_summary("p")

@@ -145,6 +145,11 @@ def translate(exc: sqlite3.Error) -> errors.Ql3Error:
     return errors.DatabaseError(f"{message} (SQLite {name})")
 
 
+def not_unicode(exc: UnicodeEncodeError) -> errors.InvalidArgument:
+    """Text SQLite cannot store (a lone surrogate): the caller's input, as on PostgreSQL."""
+    return errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: an argument cannot be sent: {exc}")
+
+
 def open_connection(
     path: str, journal_mode: JournalMode, busy_timeout_ms: int
 ) -> sqlite3.Connection:
@@ -270,6 +275,9 @@ class Database:
             except sqlite3.Error as exc:
                 _rollback(conn)
                 raise translate(exc) from exc
+            except UnicodeEncodeError as exc:
+                _rollback(conn)
+                raise not_unicode(exc) from exc
             except BaseException:
                 _rollback(conn)
                 raise
@@ -291,6 +299,9 @@ class Database:
             except sqlite3.Error as exc:
                 _rollback(conn)
                 raise translate(exc) from exc
+            except UnicodeEncodeError as exc:
+                _rollback(conn)
+                raise not_unicode(exc) from exc
             except BaseException:
                 _rollback(conn)
                 raise

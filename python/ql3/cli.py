@@ -49,16 +49,22 @@ def _read_body(args: argparse.Namespace) -> Any:
     return canonical.parse_json(text)
 
 
+def open_store(args: argparse.Namespace) -> PgStore:
+    """The one-connection store of a one-shot command; a database that cannot be reached
+    says why at once (``PgStore.checked``)."""
+    return PgStore.checked(dsn_from_env(args.dsn), max_connections=1)
+
+
 def _revision_put(args: argparse.Namespace) -> int:
     body = _read_body(args)  # bad input is refused before any connection
-    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+    with open_store(args) as store:
         print_json(store.put_revision(args.project, args.family, args.contract,
                                       body, _actor(args)))  # fmt: skip
     return 0
 
 
 def _revision_activate(args: argparse.Namespace) -> int:
-    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+    with open_store(args) as store:
         event = store.activate_revision(
             args.project, args.family, args.contract, args.revision, _actor(args), args.expect
         )
@@ -67,14 +73,14 @@ def _revision_activate(args: argparse.Namespace) -> int:
 
 
 def _revision_revoke(args: argparse.Namespace) -> int:
-    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+    with open_store(args) as store:
         event = store.revoke_revision(args.revision, _actor(args), args.reason)
     print_json(event if event is not None else {"status": "already revoked"})
     return 0
 
 
 def _revision_show(args: argparse.Namespace) -> int:
-    with PgStore(dsn_from_env(args.dsn), max_connections=1) as store:
+    with open_store(args) as store:
         if args.revision:
             row = store.revision(args.revision)
             if row is None:
@@ -159,14 +165,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Handler = args.func
     try:
         return func(args)
+    except errors.Misconfigured as exc:
+        report(exc)
+        return 2
     except errors.Ql3Error as exc:
-        text = exc.message if exc.message.startswith(exc.code) else f"{exc.code}: {exc.message}"
-        print(f"error: {text}", file=sys.stderr)
-        if exc.detail:
-            print(f"detail: {exc.detail}", file=sys.stderr)
+        report(exc)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def report(exc: errors.Ql3Error) -> None:
+    """``error: QL3_CODE: message`` on one line (libpq's messages span several), and the
+    detail, if any, on the next."""
+    text = exc.message if exc.message.startswith(exc.code) else f"{exc.code}: {exc.message}"
+    print(f"error: {' '.join(text.split())}", file=sys.stderr)
+    if exc.detail:
+        print(f"detail: {' '.join(exc.detail.split())}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -63,10 +63,15 @@ CALL_MARGIN_S = 5.0
 
 
 def dsn_from_env(dsn: str | None) -> str:
-    """The DSN given, else QL3_DSN; raises InvalidArgument when neither is set."""
+    """The DSN given, else QL3_DSN; ``Misconfigured`` when neither is set or it is
+    malformed."""
     value = dsn or os.environ.get("QL3_DSN")
     if not value:
-        raise errors.InvalidArgument("no database: pass --dsn or set QL3_DSN")
+        raise errors.Misconfigured("QL3_INVALID_ARGUMENT: no database: pass --dsn or set QL3_DSN")
+    try:
+        parse_conninfo(value)
+    except errors.InvalidArgument as exc:
+        raise errors.Misconfigured(exc.message) from None
     return value
 
 

@@ -23,6 +23,11 @@ class InvalidArgument(Ql3Error, ValueError):
     sqlstate = "Q3V01"
 
 
+class Misconfigured(InvalidArgument):
+    """A command or daemon cannot start: a missing or malformed DSN, a bad setting. The
+    CLI exits 2 for it (1 for errors of the work itself)."""
+
+
 class RecordTooLarge(InvalidArgument):
     code = "QL3_RECORD_TOO_LARGE"
     sqlstate = "Q3V02"

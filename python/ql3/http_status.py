@@ -49,7 +49,7 @@ def serve_status(
     if port is None or port < 0:
         return None
     if port > MAX_PORT:
-        raise errors.InvalidArgument(
+        raise errors.Misconfigured(
             f"QL3_INVALID_ARGUMENT: metrics port {port} is not a TCP port (0..{MAX_PORT})"
         )
     try:

@@ -135,7 +135,7 @@ def resolve(
 
 
 def _store(args: argparse.Namespace) -> PgStore:
-    return PgStore(dsn_from_env(args.dsn), max_connections=1)
+    return PgStore.checked(dsn_from_env(args.dsn), max_connections=1)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -45,7 +45,7 @@ def configure_logging(level: str = "info") -> None:
     name is InvalidArgument (and changes nothing)."""
     name = level.strip().lower()
     if name not in LOG_LEVELS:
-        raise errors.InvalidArgument(
+        raise errors.Misconfigured(
             f"QL3_INVALID_ARGUMENT: log level {level!r} is not one of {', '.join(LOG_LEVELS)}"
         )
     handler = logging.StreamHandler(sys.stderr)

@@ -1058,7 +1058,10 @@ def dsn_from(args: argparse.Namespace, command: str) -> str | None:
     """The DSN to use; None (after saying why) when there is none or it is malformed."""
     dsn: str | None = args.dsn or os.environ.get("QL3_DSN")
     if not dsn:
-        print(f"error: ql3 {command}: no database: pass --dsn or set QL3_DSN", file=sys.stderr)
+        print(
+            f"error: ql3 {command}: QL3_INVALID_ARGUMENT: no database: pass --dsn or set QL3_DSN",
+            file=sys.stderr,
+        )
         return None
     if _reporting_errors(command, lambda: parse_conninfo(dsn)) is None:
         return None

@@ -92,7 +92,7 @@ class RecoveryConfig:
         if self.metrics_port is not None and (
             not isinstance(self.metrics_port, int) or self.metrics_port > 65535
         ):
-            raise errors.InvalidArgument(
+            raise errors.Misconfigured(
                 f"QL3_INVALID_ARGUMENT: metrics port {self.metrics_port!r} is not a TCP port "
                 "(0..65535, or negative for none)"
             )
@@ -418,10 +418,14 @@ def config_from_args(
     )
 
 
-def owned_store(dsn: str, config: RecoveryConfig) -> PgStore:
-    """The one-connection store of ``ql3 recover``, bounded by ``config.statement_timeout``."""
+def owned_store(dsn: str, config: RecoveryConfig, *, checked: bool = False) -> PgStore:
+    """The one-connection store of ``ql3 recover``, bounded by ``config.statement_timeout``
+    (``checked``: connect once directly first, so that an unreachable database says why)."""
     statement_ms = max(1, round(config.statement_timeout * 1000))
-    return PgStore(dsn, max_connections=1, timeouts=Timeouts(statement_ms=statement_ms))
+    timeouts = Timeouts(statement_ms=statement_ms)
+    if checked:
+        return PgStore.checked(dsn, max_connections=1, timeouts=timeouts)
+    return PgStore(dsn, max_connections=1, timeouts=timeouts)
 
 
 # How often the main thread of ``serve`` looks for a signal while the loop runs.
@@ -481,11 +485,14 @@ def serve(dsn: str, config: RecoveryConfig) -> int:
 def command(args: argparse.Namespace) -> int:
     """``ql3 recover``: one bounded call, or the daemon with ``--loop``."""
     dsn = dsn_from_env(args.dsn)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except errors.InvalidArgument as exc:
+        raise errors.Misconfigured(exc.message) from None
     if args.loop:
         configure_logging(args.log_level or os.environ.get("QL3_LOG_LEVEL") or "info")
         return serve(dsn, config)
-    with owned_store(dsn, config) as store:
+    with owned_store(dsn, config, checked=True) as store:
         print_json(store.recover_expired(config.limit, config.grace_seconds))
     return 0
 

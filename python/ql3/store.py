@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from ql3 import errors
-from ql3.db import Timeouts, make_pool, translated
+from ql3.db import Timeouts, connect, make_pool, translated
 from ql3.db_guard import bounded, checked_out
 from ql3.invocations import as_utc, recovery_arguments
 
@@ -112,6 +112,19 @@ class PgStore:
         else:
             self.pool = make_pool(conninfo_or_pool, timeouts=timeouts, max_size=max_connections)
             self._owns_pool = True
+
+    @classmethod
+    def checked(
+        cls, conninfo: str, *, timeouts: Timeouts | None = None, max_connections: int = 8
+    ) -> PgStore:
+        """A store whose database first answered one direct connection.
+
+        When it does not, the error is the server's own reason (wrong password, no such
+        database, refused), at once: a pool only retries in the background and times out
+        saying it got no connection. For one-shot commands such as the CLI's.
+        """
+        connect(conninfo, timeouts=timeouts).close()
+        return cls(conninfo, timeouts=timeouts, max_connections=max_connections)
 
     def close(self) -> None:
         if self._owns_pool:

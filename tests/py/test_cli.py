@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,14 +74,6 @@ def test_bad_input_exits_1_with_the_stable_code(
     assert code == 1 and "QL3_INVALID_ARGUMENT" in err
 
 
-def test_missing_dsn_is_a_clear_error(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("QL3_DSN", raising=False)
-    code, _, err = run(capsys, "revision", "show", "--revision", "x")
-    assert code == 1 and "QL3_DSN" in err
-
-
 def test_console_script_is_installed_and_answers_help() -> None:
     exe = Path(sys.executable).with_name("ql3")
     result = subprocess.run([str(exe), "--help"], capture_output=True, text=True,
@@ -112,11 +105,11 @@ def test_a_malformed_dsn_is_invalid_argument_without_a_traceback(
 ) -> None:
     monkeypatch.setenv("QL3_DSN", "bogus")
     code, _, err = run(capsys, "revision", "show", "--revision", "x")
-    assert code == 1
+    assert code == 2  # the command did not start
     assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
     code, _, err = run(capsys, "revision", "put", "--project", "p1", "--family", "channel_event",
                        "--contract", "c", "--body", "{}", "--dsn", "host='x")  # fmt: skip
-    assert code == 1
+    assert code == 2
     assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
 
 
@@ -127,13 +120,13 @@ def test_relay_bad_log_level_and_metrics_port_are_clean_errors(
     monkeypatch.setenv("QL3_REDIS_URL", "redis://127.0.0.1:1/0")
     with socket.create_server(("127.0.0.1", 0)) as taken:
         busy = str(taken.getsockname()[1])
-        for flags, message in (
-            (["--log-level", "bogus"], "log level 'bogus' is not one of"),
-            (["--metrics-port", "99999"], "metrics port 99999 is not a TCP port"),
-            (["--metrics-port", busy], f"cannot serve /metrics on 127.0.0.1:{busy}"),
+        for flags, message, exit_code in (
+            (["--log-level", "bogus"], "log level 'bogus' is not one of", 2),
+            (["--metrics-port", "99999"], "metrics port 99999 is not a TCP port", 2),
+            (["--metrics-port", busy], f"cannot serve /metrics on 127.0.0.1:{busy}", 1),
         ):
             code, _, err = run(capsys, "relay", *flags)
-            assert code == 1, flags
+            assert code == exit_code, flags
             last = err.strip().splitlines()[-1]
             assert last.startswith(f"error: QL3_INVALID_ARGUMENT: {message}"), err
             assert "Traceback" not in err
@@ -145,5 +138,64 @@ def test_python_m_ql3_relay_is_ql3_relay_bad_input_included() -> None:
         [sys.executable, "-m", "ql3.relay", "--log-level", "bogus"],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.startswith("error: QL3_INVALID_ARGUMENT: log level 'bogus'"), done.stderr
+
+
+ONE_SHOT_COMMANDS = [
+    ["revision", "show", "--revision", "00000000-0000-0000-0000-000000000000"],
+    ["revision", "put", "--project", "p", "--family", "policy_routing", "--contract", "c",
+     "--body", "{}"],
+    ["invocations", "list"],
+    ["invocations", "show", "inv-1"],
+    ["resolve", "inv-1", "--decision", "fail", "--user", "u"],
+    ["usage", "--project", "p"],
+    ["recover"],
+    ["recover", "--loop"],
+    ["migrate"],
+    ["ready"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", ONE_SHOT_COMMANDS, ids=" ".join)
+def test_no_database_is_one_error_line_and_exit_2_for_every_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    monkeypatch.delenv("QL3_DSN", raising=False)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and lines[0].endswith(
+        "QL3_INVALID_ARGUMENT: no database: pass --dsn or set QL3_DSN"
+    ), err
+
+
+@pytest.mark.parametrize("argv", ONE_SHOT_COMMANDS[:7], ids=" ".join)
+def test_an_unreachable_database_says_why_at_once_on_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    base_dsn: str,
+    argv: list[str],
+) -> None:
+    # A database that does not exist: the pool alone would retry for its whole timeout
+    # and then say only that it got no connection.
+    monkeypatch.setenv("QL3_DSN", f"{base_dsn.rsplit('/', 1)[0]}/no_such_database")
+    started = time.monotonic()
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and out == ""
+    assert time.monotonic() - started < 3.0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: QL3_UNAVAILABLE: "), err
+    assert 'database "no_such_database" does not exist' in lines[0], err
+
+
+def test_a_bad_recovery_setting_is_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QL3_DSN", "dbname=never_reached")
+    monkeypatch.setenv("QL3_RECOVERY_INTERVAL", "abc")
+    code, _, err = run(capsys, "recover", "--loop")
+    assert code == 2
+    assert err.startswith("error: QL3_INVALID_ARGUMENT: QL3_RECOVERY_INTERVAL='abc'"), err

@@ -1,5 +1,6 @@
 """The deployment files name only things that exist: every ``ql3`` command they run parses
-with the real command line, and the services are wired as the relay needs."""
+with the real command line, every environment variable they set is one the daemon reads,
+and the services are wired as the relay and the recovery daemon need."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import argparse
 import contextlib
 import importlib
 import io
+import itertools
+import os
 import re
 import shlex
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from ql3 import recovery, relay
 
 ROOT = Path(__file__).resolve().parents[2]
 QL3_IMAGE = "ql3:local"
@@ -63,6 +69,13 @@ def ql3_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for name, svc in compose["services"].items()
         if svc.get("image") == QL3_IMAGE or "build" in svc
     }
+
+
+def test_the_compose_header_names_every_service_it_starts(compose: dict[str, Any]) -> None:
+    lines = (ROOT / "docker-compose.yml").read_text().splitlines()
+    header = " ".join(line for line in itertools.takewhile(lambda x: x.startswith("#"), lines))
+    for name in compose["services"]:
+        assert name in header.lower(), f"the docker-compose.yml header never mentions {name}"
 
 
 def test_compose_runs_postgres_15_redis_7_migrate_and_relay(compose: dict[str, Any]) -> None:
@@ -125,17 +138,6 @@ def unit_values(text: str, key: str) -> list[str]:
     return values
 
 
-def test_the_systemd_unit_starts_a_real_subcommand() -> None:
-    text = (ROOT / "deploy" / "systemd" / "ql3-relay.service").read_text()
-    (exec_start,) = unit_values(text, "ExecStart")
-    argv = shlex.split(exec_start.lstrip("-@:+!"))
-    assert Path(argv[0]).name == "ql3"
-    assert_ql3_command(argv[1:], "ql3-relay.service ExecStart")
-    assert argv[1] == "relay"
-    assert unit_values(text, "KillSignal") == ["SIGTERM"]
-    assert unit_values(text, "Restart") == ["always"]
-
-
 def test_an_unknown_subcommand_is_caught() -> None:
     with pytest.raises(AssertionError, match="not a valid ql3 command"):
         assert_ql3_command(["relay", "--no-such-flag"], "self-test")
@@ -146,3 +148,130 @@ def test_compose_runs_the_recovery_loop_after_migrate(compose: dict[str, Any]) -
     assert recovery["command"][:2] == ["recover", "--loop"]
     assert recovery["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert_ql3_command([str(c) for c in recovery["command"]], "docker-compose.yml recovery")
+
+
+# -- the systemd units -------------------------------------------------------------------
+
+SYSTEMD = ROOT / "deploy" / "systemd"
+# Each unit, the ql3 command it runs, and the Restart= it needs: the relay restarts always
+# (it exits 0 only when stopped), recovery only on failure (exit 2 is a bad configuration).
+UNITS = {
+    "ql3-relay.service": (["relay"], "always"),
+    "ql3-recovery.service": (["recover", "--loop"], "on-failure"),
+}
+# ``#   NAME=value`` (or ``#   #NAME=value``, commented out) in a unit's header: its example
+# EnvironmentFile.
+ENV_EXAMPLE_LINE = re.compile(r"^#\s+(#?)(QL3_[A-Z0-9_]+)=(.*)$")
+
+
+class RecordingEnv(Mapping[str, str]):
+    """An environment that remembers every name looked up in it."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self._values = dict(values)
+        self.looked_up: set[str] = set()
+
+    def __getitem__(self, name: str) -> str:
+        self.looked_up.add(name)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def env_read_by(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The QL3_* variables ``ql3 argv`` (a daemon) reads while it starts: its command runs
+    against a recording ``os.environ``, with the daemon's ``serve`` replaced by a no-op.
+    Configures the root logger as the daemon does: callers use ``root_logging``."""
+
+    async def serve_relay(config: relay.RelayConfig) -> int:
+        return 0
+
+    def serve_recovery(dsn: str, config: recovery.RecoveryConfig) -> int:
+        return 0
+
+    env = RecordingEnv({"QL3_DSN": "dbname=never_reached", "QL3_REDIS_URL": "redis://h:1/0"})
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "environ", env)
+        patch.setattr(relay, "serve", serve_relay)
+        patch.setattr(recovery, "serve", serve_recovery)
+        args = ql3_parser().parse_args(argv)
+        assert args.func(args) == 0, f"ql3 {shlex.join(argv)} did not start"
+    return {name for name in env.looked_up if name.startswith("QL3_")}
+
+
+def env_example(text: str) -> list[tuple[str, str, bool]]:
+    """(name, value, set) of each example line in a unit's header; set is False for a line
+    that is commented out."""
+    found = []
+    for line in text.splitlines():
+        match = ENV_EXAMPLE_LINE.match(line)
+        if match:
+            found.append((match[2], match[3], not match[1]))
+    return found
+
+
+def seconds(value: str) -> float:
+    return float(value.removesuffix("s"))
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_each_systemd_unit_starts_its_real_subcommand(unit: str) -> None:
+    command, restart = UNITS[unit]
+    text = (SYSTEMD / unit).read_text()
+    (exec_start,) = unit_values(text, "ExecStart")
+    argv = shlex.split(exec_start.lstrip("-@:+!"))
+    assert Path(argv[0]).name == "ql3"
+    assert_ql3_command(argv[1:], f"{unit} ExecStart")
+    assert argv[1 : 1 + len(command)] == command
+    assert unit_values(text, "KillSignal") == ["SIGTERM"]
+    assert unit_values(text, "Restart") == [restart]
+
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_each_unit_sets_only_variables_its_daemon_reads(
+    unit: str, monkeypatch: pytest.MonkeyPatch, root_logging: None
+) -> None:
+    command, _ = UNITS[unit]
+    text = (SYSTEMD / unit).read_text()
+    (env_file,) = unit_values(text, "EnvironmentFile")
+    assert env_file.lstrip("-") in text.split("[Unit]")[0], f"{unit}: {env_file} not explained"
+    example = env_example(text)
+    assert "QL3_DSN" in {name for name, _, _ in example}, f"{unit}: no example env file"
+    read = env_read_by(command, monkeypatch)
+    for name, value, _ in example:
+        assert name in read, f"{unit}: ql3 {shlex.join(command)} never reads {name}"
+        assert "_TEST_" not in name, f"{unit}: {name} is a test hook"
+        # systemd keeps a '#' after a value as part of the value
+        assert "#" not in value, f"{unit}: {name}={value}: a comment belongs on its own line"
+
+
+def test_an_inline_comment_in_an_example_env_file_is_caught() -> None:
+    (example,) = env_example("#   QL3_RELAY_LISTEN_DSN=     # set when QL3_DSN is pooled")
+    assert example[0] == "QL3_RELAY_LISTEN_DSN" and "#" in example[1]
+
+
+def example_settings(unit: str) -> dict[str, str]:
+    return {name: value for name, value, on in env_example((SYSTEMD / unit).read_text()) if on}
+
+
+def test_the_relay_example_settings_are_valid_and_stop_in_time() -> None:
+    text = (SYSTEMD / "ql3-relay.service").read_text()
+    args = ql3_parser().parse_args(["relay"])
+    config = relay.config_from_args(args, example_settings("ql3-relay.service"))
+    (timeout,) = unit_values(text, "TimeoutStopSec")
+    assert seconds(timeout) > config.stop_grace
+
+
+def test_the_recovery_unit_waits_longer_than_the_stop_grace() -> None:
+    text = (SYSTEMD / "ql3-recovery.service").read_text()
+    (exec_start,) = unit_values(text, "ExecStart")
+    args = ql3_parser().parse_args(shlex.split(exec_start)[1:])
+    config = recovery.config_from_args(args, example_settings("ql3-recovery.service"))
+    assert config.metrics_port is not None, "the example serves no /healthz"
+    (timeout,) = unit_values(text, "TimeoutStopSec")
+    # SIGKILL before the grace is over would cut a batch that was about to commit.
+    assert seconds(timeout) >= config.stop_grace + 10

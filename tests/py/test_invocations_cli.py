@@ -244,7 +244,7 @@ def test_recover_once_prints_what_it_settled(
     code, result, _ = run(capsys, "recover", "--grace", "0")
     assert code == 0 and result == {"count": 0, "recovered": []}
     code, _, err = run(capsys, "recover", "--limit", "0")
-    assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT")
+    assert code == 2 and err.startswith("error: QL3_INVALID_ARGUMENT")  # a bad setting
 
 
 def test_recover_as_runtime_is_permission_denied(
@@ -422,18 +422,18 @@ def test_recover_loop_bad_flags_are_clean_errors(
     monkeypatch.setattr(RecoveryLoop, "run", must_not_run)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         busy = str(taken.getsockname()[1])
-        for flags, message in (
-            (["--interval", "nan"], "interval must be a number of seconds"),
-            (["--interval", "inf"], "interval must be a number of seconds"),
-            (["--backoff-max", "nan"], "backoff_max must be a number of seconds"),
-            (["--log-level", "bogus"], "log level 'bogus' is not one of"),
-            (["--metrics-port", "99999"], "metrics port 99999 is not a TCP port"),
-            (["--metrics-port", busy], f"cannot serve /metrics on 127.0.0.1:{busy}"),
+        for flags, message, exit_code in (
+            (["--interval", "nan"], "interval must be a number of seconds", 2),
+            (["--interval", "inf"], "interval must be a number of seconds", 2),
+            (["--backoff-max", "nan"], "backoff_max must be a number of seconds", 2),
+            (["--log-level", "bogus"], "log level 'bogus' is not one of", 2),
+            (["--metrics-port", "99999"], "metrics port 99999 is not a TCP port", 2),
+            (["--metrics-port", busy], f"cannot serve /metrics on 127.0.0.1:{busy}", 1),
         ):
             if flags[-1] == busy:
                 monkeypatch.setattr(RecoveryLoop, "run", real_run)  # binding is run's job
             code, _, err = run(capsys, "recover", "--loop", *flags)
-            assert code == 1, flags
+            assert code == exit_code, flags
             last = err.strip().splitlines()[-1]
             assert last.startswith(f"error: QL3_INVALID_ARGUMENT: {message}"), err
             assert "Traceback" not in err
@@ -451,7 +451,7 @@ def test_a_malformed_dsn_is_invalid_argument_in_every_command(
         ["recover"],
     ):
         code, _, err = run(capsys, *argv)
-        assert code == 1, argv
+        assert code == 2, argv  # the command did not start
         assert err.startswith("error: QL3_INVALID_ARGUMENT: malformed connection string"), err
 
 

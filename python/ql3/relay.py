@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -49,12 +50,13 @@ import psycopg
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from psycopg.conninfo import make_conninfo
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
-from ql3.db import tcp_settings, with_options
+from ql3.db import parse_conninfo, tcp_settings, with_options
 from ql3.http_status import StatusServer, serve_status
 from ql3.logs import backoff_delay, configure_logging, describe_error
 
@@ -254,12 +256,35 @@ class RelayConfig:
     pause_mid_batch: float = 0.0
 
     def __post_init__(self) -> None:
+        # Refused here, not at the first connection: a relay that cannot reach
+        # PostgreSQL never opens Redis, and would retry a hopeless DSN for ever.
+        for name, conninfo in (("dsn", self.dsn), ("listen_dsn", self.listen_dsn)):
+            if conninfo is not None:
+                try:
+                    parse_conninfo(conninfo)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        try:
+            parse_url(self.redis_url)  # also refuses a port that is not an integer 0..65535
+        except ValueError as exc:
+            raise ValueError(
+                f"redis_url: {redact_url(self.redis_url)!r} is not a Redis URL: {exc}"
+            ) from None
         if not 1 <= self.batch <= 10000:
             raise ValueError("batch must be 1..10000")
-        if min(self.poll_interval, self.heartbeat_interval, self.listen_probe_interval) <= 0:
-            raise ValueError("poll, heartbeat and listen probe intervals must be positive")
-        if min(self.postgres_timeout, self.stop_grace) <= 0:
-            raise ValueError("postgres timeout and stop grace must be positive")
+        # Written so that NaN fails too (every comparison with NaN is false).
+        intervals = (self.poll_interval, self.heartbeat_interval, self.listen_probe_interval)
+        if not all(0 < seconds < math.inf for seconds in intervals):
+            raise ValueError(
+                "poll, heartbeat and listen probe intervals must be finite and positive"
+            )
+        timeouts = (self.postgres_timeout, self.stop_grace, self.redis_timeout)
+        if not all(0 < seconds < math.inf for seconds in timeouts):
+            raise ValueError(
+                "postgres and redis timeouts and stop grace must be finite and positive"
+            )
+        if not all(0 < seconds < math.inf for seconds in (self.backoff_initial, self.backoff_max)):
+            raise ValueError("backoff initial and max must be finite and positive")
         if not self.channel_prefix:
             raise ValueError("channel prefix must not be empty")
 
@@ -421,8 +446,10 @@ class Relay:
         self._task: asyncio.Task[None] | None = None
         self._http: StatusServer | None = None
         self._pg_connected_once = False
-        self._pg_ok = False
-        self._redis_ok = False
+        # None until first tried (/healthz says null): Redis is only tried once PostgreSQL
+        # answers, so "false" would blame a server nobody has reached.
+        self._pg_ok: bool | None = None
+        self._redis_ok: bool | None = None
         self._redis_failing = False
         self._last_cycle_at: float | None = None
         self._last_backlog_at = 0.0
@@ -959,12 +986,13 @@ class Relay:
 
     def health(self) -> dict[str, Any]:
         """What /healthz reports; ``status`` is ``ok`` only when both servers work.
+        ``postgres`` and ``redis`` are None (JSON null) until the server was first tried.
 
         ``listening`` false (the LISTEN connection is down) does not make it unhealthy:
         events still flow, at the poll's pace. Called from the status server's threads: it
         only reads.
         """
-        ok = self._pg_ok and self._redis_ok and self._cycle_recent()
+        ok = self._pg_ok is True and self._redis_ok is True and self._cycle_recent()
         age = None if self._last_cycle_at is None else time.monotonic() - self._last_cycle_at
         return {
             "status": "ok" if ok else "unhealthy",
@@ -1073,7 +1101,17 @@ def config_from_args(
 
     def number(flag: str, var: str, default: float, kind: type[int] | type[float]) -> Any:
         value = pick(flag, var)
-        return default if value is None else kind(value)
+        if value is None:
+            return default
+        source = f"--{flag.replace('_', '-')}" if getattr(args, flag, None) is not None else var
+        what = "an integer" if kind is int else "a number"
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise ValueError(f"{source}={str(value)!r} is not {what}") from None
+        if not math.isfinite(parsed):
+            raise ValueError(f"{source}={str(value)!r} is not a finite number")
+        return parsed
 
     return RelayConfig(
         dsn=str(dsn),

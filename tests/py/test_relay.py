@@ -310,6 +310,21 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
     return int(head.split()[1]), body
 
 
+def refused_configuration(*args: str, **env: str) -> str:
+    """Run ``ql3 relay`` on a configuration it must refuse; the error it logged."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QL3_")}
+    environ.update(env)
+    done = subprocess.run(
+        [sys.executable, "-m", "ql3.relay", "--metrics-port", "-1", *args],
+        env=environ, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    line = json.loads(done.stderr.strip().splitlines()[-1])
+    assert line["event"] == "bad_configuration", line
+    return str(line["error"])
+
+
 # -- delivery ------------------------------------------------------------------------------
 
 
@@ -513,6 +528,8 @@ def test_healthz_is_503_while_redis_is_unreachable(db: str, prefix: str) -> None
         async with running(relay) as r:
             assert r.metrics_port is not None
             await until(lambda: r.health()["postgres"], 5, "a claim from PostgreSQL")
+            # An idle relay first tries Redis with a heartbeat (null until then).
+            await until(lambda: r.health()["redis"] is not None, 5, "a call to Redis")
             status, body = await http_get(r.metrics_port, "/healthz")
             report = json.loads(body)
             assert status == 503
@@ -521,6 +538,37 @@ def test_healthz_is_503_while_redis_is_unreachable(db: str, prefix: str) -> None
                 True,
                 False,
             )
+
+    run(scenario())
+
+
+def test_healthz_reports_redis_as_unknown_while_postgres_was_never_reached(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    params = conninfo_to_dict(db)
+    params.update(host="127.0.0.1", port=str(devservers.free_port()))  # nobody listens there
+    nowhere = make_conninfo(**params)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        relay = Relay(config(nowhere, redis_url, prefix, metrics_port=0))
+        await relay.start()
+        try:
+            await until(
+                lambda: sample(relay, "ql3_relay_failures_total", target="postgres") >= 1,
+                5,
+                "a failed connection to PostgreSQL",
+            )
+            assert relay.metrics_port is not None
+            status, body = await http_get(relay.metrics_port, "/healthz")
+            report = json.loads(body)
+            assert status == 503
+            assert (report["status"], report["postgres"], report["redis"]) == (
+                "unhealthy",
+                False,
+                None,  # never checked: Redis is only tried once PostgreSQL answers
+            )
+        finally:
+            await relay.stop()
 
     run(scenario())
 
@@ -862,7 +910,7 @@ def test_flags_win_over_environment_which_wins_over_defaults() -> None:
     assert (cfg.batch, cfg.metrics_port, cfg.poll_interval) == (7, 9999, 1.0)
     assert callable(args.func)
     defaults = config_from_args(
-        parser.parse_args(["relay"]), {"QL3_DSN": "x", "QL3_REDIS_URL": "y"}
+        parser.parse_args(["relay"]), {"QL3_DSN": "dbname=x", "QL3_REDIS_URL": "redis://y"}
     )
     assert defaults.channel_prefix == "platform:contract:invalidate"
     assert (defaults.batch, defaults.metrics_port) == (1000, 9464)
@@ -870,6 +918,63 @@ def test_flags_win_over_environment_which_wins_over_defaults() -> None:
         config_from_args(parser.parse_args(["relay"]), {"QL3_DSN": "x"})
     with pytest.raises(ValueError, match="batch"):
         config_from_args(parser.parse_args(["relay", "--batch", "0"]), env)
+
+
+def test_a_malformed_redis_url_or_dsn_is_refused_when_the_configuration_is_built() -> None:
+    good: dict[str, Any] = {"dsn": "dbname=x", "redis_url": "redis://127.0.0.1:6379/0"}
+    for setting, message in (
+        ({"redis_url": "notaurl"}, "redis_url: 'notaurl' is not a Redis URL"),
+        ({"redis_url": "redis://:pw@h:abc/0"}, r"'redis://:\*\*\*@h:abc/0' is not a Redis URL"),
+        ({"dsn": "host='x"}, "dsn: QL3_INVALID_ARGUMENT: malformed connection string"),
+        ({"listen_dsn": "# comment"}, "listen_dsn: QL3_INVALID_ARGUMENT: malformed connection"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            RelayConfig(**{**good, **setting})
+    for url in ("redis://h/0", "rediss://h:6380/1?ssl_cert_reqs=none", "unix:///run/redis.sock"):
+        assert RelayConfig(dsn="postgresql://h/db", redis_url=url).redis_url == url
+
+
+def test_relay_refuses_a_malformed_redis_url_or_dsn_with_bad_configuration() -> None:
+    dsn = "dbname=never_reached"
+    error = refused_configuration("--dsn", dsn, "--redis-url", "notaurl")
+    assert error.startswith("redis_url: 'notaurl' is not a Redis URL: "), error
+    error = refused_configuration("--dsn", dsn, "--redis-url", "redis://h:abc/0")
+    assert error.startswith("redis_url: 'redis://h:abc/0' is not a Redis URL"), error
+    error = refused_configuration("--dsn", "host='x", "--redis-url", "redis://h/0")
+    assert error.startswith("dsn: QL3_INVALID_ARGUMENT: malformed connection string"), error
+    # A systemd EnvironmentFile line ``QL3_RELAY_LISTEN_DSN=   # comment``.
+    error = refused_configuration(
+        "--dsn", dsn, "--redis-url", "redis://h/0", QL3_RELAY_LISTEN_DSN="# comment"
+    )
+    assert error.startswith("listen_dsn: QL3_INVALID_ARGUMENT: malformed connection"), error
+
+
+def test_a_bad_number_names_the_variable_or_flag_it_came_from() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    env = {"QL3_DSN": "dbname=x", "QL3_REDIS_URL": "redis://h/0"}
+    for var, text, what in (
+        ("QL3_RELAY_BATCH", "abc", "an integer"),
+        ("QL3_RELAY_METRICS_PORT", "1.5", "an integer"),
+        ("QL3_RELAY_POLL_INTERVAL", "soon", "a number"),
+        ("QL3_RELAY_HEARTBEAT_INTERVAL", "nan", "a finite number"),
+        ("QL3_RELAY_POSTGRES_TIMEOUT", "inf", "a finite number"),
+        ("QL3_RELAY_BACKOFF_MAX", "-inf", "a finite number"),
+    ):
+        message = f"{var}={text!r} is not {what}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            config_from_args(parser.parse_args(["relay"]), {**env, var: text})
+    args = parser.parse_args(["relay", "--listen-probe-interval", "nan"])
+    with pytest.raises(ValueError, match=r"^--listen-probe-interval='nan' is not a finite number$"):
+        config_from_args(args, env)
+    for setting in ("poll_interval", "heartbeat_interval", "postgres_timeout", "stop_grace"):
+        for value in (float("nan"), float("inf")):
+            bad: dict[str, Any] = {setting: value}
+            with pytest.raises(ValueError, match="finite and positive"):
+                RelayConfig(dsn="dbname=x", redis_url="redis://h/0", **bad)
+    error = refused_configuration("--dsn", "dbname=x", "--redis-url", "redis://h/0",
+                                  QL3_RELAY_BATCH="abc")  # fmt: skip
+    assert error == "QL3_RELAY_BATCH='abc' is not an integer"
 
 
 def test_passwords_never_reach_the_logs() -> None:

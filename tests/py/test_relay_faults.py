@@ -159,7 +159,7 @@ def test_a_batch_whose_mark_hangs_is_claimed_and_published_again(
 def test_postgres_timeout_comes_from_the_flag_or_the_environment() -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
-    env = {"QL3_DSN": "x", "QL3_REDIS_URL": "y"}
+    env = {"QL3_DSN": "dbname=x", "QL3_REDIS_URL": "redis://y"}
     assert config_from_args(parser.parse_args(["relay"]), env).postgres_timeout == 30.0
     env["QL3_RELAY_POSTGRES_TIMEOUT"] = "12.5"
     assert config_from_args(parser.parse_args(["relay"]), env).postgres_timeout == 12.5

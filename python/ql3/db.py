@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -133,14 +134,26 @@ def translated() -> Iterator[None]:
 
 
 def parse_conninfo(conninfo: str) -> dict[str, Any]:
-    """The conninfo's parameters; a malformed one is InvalidArgument (the caller's input)."""
+    """The conninfo's parameters; a malformed one is InvalidArgument (the caller's input).
+
+    libpq's message quotes the piece it could not parse, which may be a password (an
+    invalid percent-encoding in a URL's password, a password without its "="): quoted
+    pieces are left out, since the message ends up in logs."""
     try:
         return conninfo_to_dict(conninfo)
     except psycopg.Error as exc:
-        message = str(exc).strip() or type(exc).__name__
+        message = _QUOTED.sub(_hide_quoted, str(exc).strip() or type(exc).__name__)
         raise errors.InvalidArgument(
             f"QL3_INVALID_ARGUMENT: malformed connection string: {message}"
         ) from None
+
+
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _hide_quoted(match: re.Match[str]) -> str:
+    """A quoted piece of libpq's message, kept only when it is one character ("=")."""
+    return match.group(0) if len(match.group(1)) < 2 else '"..."'
 
 
 def with_options(conninfo: str, options: str) -> str:

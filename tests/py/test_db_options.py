@@ -91,6 +91,15 @@ def test_a_malformed_dsn_is_invalid_argument_everywhere(dsn: str) -> None:
             call()
 
 
+@pytest.mark.parametrize(
+    "dsn", ["postgresql://app:s3cr%zzet@h/db", "host=h user=app s3cretpassword", "password s3cret"]
+)
+def test_a_malformed_dsn_never_repeats_the_password_in_its_error(dsn: str) -> None:
+    with pytest.raises(errors.InvalidArgument, match="malformed connection string") as caught:
+        db.parse_conninfo(dsn)
+    assert "s3cr" not in str(caught.value), caught.value
+
+
 def test_a_nul_in_a_text_argument_is_invalid_argument(db_dsn: str) -> None:
     # psycopg refuses NUL before sending (a DataError without SQLSTATE), as SQLite refuses it.
     with PgStore(db_dsn) as store:

@@ -85,7 +85,7 @@ def checked_out(
                 continue
             yield conn
             return
-    raise errors.Unavailable("QL3_UNAVAILABLE: every pooled connection was closed by the server")
+    raise _all_closed()
 
 
 @contextlib.asynccontextmanager
@@ -100,7 +100,11 @@ async def checked_out_async(
                 continue
             yield conn
             return
-    raise errors.Unavailable("QL3_UNAVAILABLE: every pooled connection was closed by the server")
+    raise _all_closed()
+
+
+def _all_closed() -> errors.Unavailable:
+    return errors.Unavailable("QL3_UNAVAILABLE: every pooled connection was closed by the server")
 
 
 def overdue(seconds: float) -> errors.Unavailable:

@@ -24,12 +24,15 @@ from ql3.store_async import AsyncPgStore
 POOL = 4
 
 
-def backend_pids(dsn: str) -> set[int]:
-    """The pids of the ql3 pool connections to the test database (not this one)."""
+def backend_pids(dsn: str, application: str | None = None) -> set[int]:
+    """The pids of the other client connections to the test database (of one
+    application_name if given)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
             " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            " AND (%s::text IS NULL OR application_name = %s)",
+            (application, application),
         ).fetchall()
     return {int(r[0]) for r in rows}
 
@@ -148,15 +151,6 @@ def test_the_call_limit_follows_the_statement_timeout_unless_set() -> None:
             Timeouts(call_s=bad)
 
 
-def cache_backends(dsn: str) -> set[int]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-            " AND application_name = 'ql3-cache'"
-        ).fetchall()
-    return {int(r[0]) for r in rows}
-
-
 def test_a_cache_read_from_a_backend_that_stopped_answering_ends_unavailable(
     db_dsn: str, redis_url: str
 ) -> None:
@@ -169,7 +163,7 @@ def test_a_cache_read_from_a_backend_that_stopped_answering_ends_unavailable(
         async with cache:
             first = await cache.get_effective("acme", "policy_routing", "guarded")
             assert first.revision_id == rev["revision_id"]
-            pids = await asyncio.to_thread(cache_backends, db_dsn)
+            pids = await asyncio.to_thread(backend_pids, db_dsn, "ql3-cache")
             assert pids
             with contextlib.ExitStack() as stack:
                 for pid in pids:

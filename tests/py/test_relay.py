@@ -106,6 +106,13 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
             time.sleep(0.02)
 
 
+def unreachable(dsn: str) -> str:
+    """``dsn`` pointed at a free local port, where nobody listens."""
+    params = conninfo_to_dict(dsn)
+    params.update(host="127.0.0.1", port=str(devservers.free_port()))
+    return make_conninfo(**params)  # type: ignore[arg-type]
+
+
 def sample(relay: Relay, name: str, **labels: str) -> float:
     value = relay.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
@@ -390,9 +397,7 @@ def test_poll_delivers_events_whose_notification_never_came(
 def test_without_a_listen_connection_the_poll_delivers_and_health_says_not_listening(
     db: str, redis_url: str, prefix: str
 ) -> None:
-    params = conninfo_to_dict(db)
-    params.update(host="127.0.0.1", port=str(devservers.free_port()))  # nobody listens there
-    nowhere = make_conninfo(**params)  # type: ignore[arg-type]
+    nowhere = unreachable(db)
 
     async def scenario() -> None:
         relay = Relay(config(db, redis_url, prefix, listen_dsn=nowhere, poll_interval=0.2))
@@ -545,9 +550,7 @@ def test_healthz_is_503_while_redis_is_unreachable(db: str, prefix: str) -> None
 def test_healthz_reports_redis_as_unknown_while_postgres_was_never_reached(
     db: str, redis_url: str, prefix: str
 ) -> None:
-    params = conninfo_to_dict(db)
-    params.update(host="127.0.0.1", port=str(devservers.free_port()))  # nobody listens there
-    nowhere = make_conninfo(**params)  # type: ignore[arg-type]
+    nowhere = unreachable(db)
 
     async def scenario() -> None:
         relay = Relay(config(nowhere, redis_url, prefix, metrics_port=0))

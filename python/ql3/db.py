@@ -25,7 +25,9 @@ from ql3 import errors
 _UNAVAILABLE_PREFIXES = ("08", "57", "55P03", "53", "40001", "40P01", "40003", "25006")
 # Input PostgreSQL itself rejected before ql3 saw it (bad JSON text, bad uuid, NUL, a
 # value of a type that cannot be cast to the parameter's, such as a number for a uuid).
-_BAD_INPUT_STATES = {"22P02", "22P05", "22007", "22008", "22023", "22003", "42846"}
+# A ql3 function called with arguments of types it does not take (42883: its schema
+# exists, or the state would be 3F000) is the caller's input too.
+_BAD_INPUT_STATES = {"22P02", "22P05", "22007", "22008", "22023", "22003", "42846", "42883"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,13 @@ def translate(exc: psycopg.Error) -> errors.Ql3Error:
 def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3Error:
     if isinstance(exc, psycopg.OperationalError) and not state:
         return errors.Unavailable(message)
+    if (
+        isinstance(exc, psycopg.ProgrammingError)
+        and not state
+        and message.startswith("cannot adapt")
+    ):
+        # A Python value psycopg has no SQL type for (an object where text or a uuid goes).
+        return errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: {message}")
     if isinstance(exc, psycopg.DataError) and not state:
         # Refused by psycopg before sending (a NUL in a text argument): the caller's input,
         # as the SQLite store and the server's own 22xxx states say.
@@ -111,9 +120,9 @@ def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3
     return errors.DatabaseError(f"{message} (SQLSTATE {state or 'none'})")
 
 
-# A ql3 table, schema or function that does not exist: the database was never migrated,
-# or not with the AI stream.
-_MISSING_OBJECT_STATES = {"42P01", "3F000", "42883"}
+# A ql3 table or schema that does not exist: the database was never migrated, or not
+# with the AI stream.
+_MISSING_OBJECT_STATES = {"42P01", "3F000"}
 
 
 @contextlib.contextmanager

@@ -13,8 +13,9 @@
   kernel still acknowledges its packets. A call that has not ended ``Timeouts.call_limit()``
   seconds after it was sent is ``QL3_UNAVAILABLE`` and its outcome unknown (as for a lost
   COMMIT reply: the gateway withholds the call, recovery settles a start left behind). On
-  asyncio the call is cancelled (psycopg then cancels or closes the connection); a thread
-  has no such cancel, so ``CallWatchdog`` shuts the connection's socket down under it, which
+  asyncio the call is cancelled: psycopg then sends a cancel request and waits for the
+  server at most 5 s more before it closes the connection (psycopg >= 3.3). A thread has
+  no such cancel, so ``CallWatchdog`` shuts the connection's socket down under it, which
   ends the blocked read at once, and the pool discards the connection.
 """
 
@@ -138,10 +139,15 @@ class CallWatchdog:
 
     def __init__(self, tick: float = 0.25) -> None:
         self._tick = tick
+        self._tokens = itertools.count()
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh state: at start, and in a forked child, which inherits the parent's
+        calls (not its own), a lock perhaps held, and no watchdog thread."""
         self._lock = threading.Lock()
         self._armed: dict[int, tuple[float, psycopg.Connection[Any]]] = {}
         self._fired: set[int] = set()
-        self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
 
     def arm(self, conn: psycopg.Connection[Any], seconds: float) -> int:
@@ -177,6 +183,7 @@ class CallWatchdog:
 
 
 WATCHDOG = CallWatchdog()
+os.register_at_fork(after_in_child=WATCHDOG._reset)
 
 
 @contextlib.contextmanager
@@ -189,8 +196,14 @@ def bounded(conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
         if WATCHDOG.disarm(token):
             raise overdue(seconds) from None
         raise
+    except Exception as exc:
+        if WATCHDOG.disarm(token):
+            _discard(conn)
+            raise overdue(seconds) from exc
+        raise
     except BaseException:
-        WATCHDOG.disarm(token)
+        if WATCHDOG.disarm(token):
+            _discard(conn)
         raise
     if WATCHDOG.disarm(token):
         _discard(conn)  # cut just as the call ended: its answer stands, the socket does not

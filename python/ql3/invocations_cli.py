@@ -16,7 +16,7 @@ from psycopg.rows import dict_row
 
 from ql3 import errors
 from ql3.cli import print_json
-from ql3.db import dsn_from_env, translated
+from ql3.db import dsn_from_env
 from ql3.invocations import Decision, parse_timestamp, resolution_command
 from ql3.store import PgStore, Row
 
@@ -65,7 +65,7 @@ WHERE st.invocation_id = %s
 
 
 def _query(store: PgStore, sql: str, params: Sequence[Any] | dict[str, Any]) -> list[Row]:
-    with translated(), store.pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+    with store.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(sql, params)
         return list(cur.fetchall())
 

@@ -1102,6 +1102,6 @@ def _reporting_errors(command: str, action: Callable[[], _Result]) -> _Result | 
     try:
         return action()
     except Ql3Error as exc:
-        message = exc.message.removeprefix(f"{exc.code}: ")
+        message = " ".join(exc.message.removeprefix(f"{exc.code}: ").split())  # one line
         print(f"error: ql3 {command}: {exc.code}: {message}", file=sys.stderr)
         return None

@@ -287,6 +287,10 @@ class RelayConfig:
             raise ValueError("backoff initial and max must be finite and positive")
         if not self.channel_prefix:
             raise ValueError("channel prefix must not be empty")
+        if self.metrics_port is not None and self.metrics_port > 65535:
+            raise ValueError(
+                f"metrics port {self.metrics_port} is not a TCP port (0..65535, or -1 for none)"
+            )
 
 
 class RelayMetrics:
@@ -1148,7 +1152,12 @@ async def serve(config: RelayConfig) -> int:
 def command(args: argparse.Namespace) -> int:
     """``ql3 relay``: the entry point behind the subcommand."""
     level = getattr(args, "log_level", None) or os.environ.get("QL3_LOG_LEVEL") or "info"
-    configure_logging(level)
+    try:
+        configure_logging(level)
+    except ValueError as exc:  # said in the relay's own log format, at the default level
+        configure_logging("info")
+        _log(logging.ERROR, "bad_configuration", error=str(exc))
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -40,6 +40,17 @@ def command_sql(function: str) -> str:
     return f"SELECT ql3_ai.{function}(%s)"
 
 
+def pointer_keys(keys: Iterable[ContractKey]) -> Jsonb:
+    """The keys of ``active_pointers`` as its JSON argument; the function checks each key,
+    anything that is not a list of sequences is refused here."""
+    try:
+        return Jsonb([list(k) for k in keys])
+    except TypeError:
+        raise errors.InvalidArgument(
+            "QL3_INVALID_ARGUMENT: keys must be [project_id, contract_family, contract_id] lists"
+        ) from None
+
+
 def command_json(command: Mapping[str, Any]) -> Jsonb:
     """A JSON command as the parameter of its function; anything but a mapping is refused."""
     if not isinstance(command, Mapping):
@@ -139,17 +150,20 @@ class PgStore:
     # -- plumbing -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _connection(self) -> Iterator[Connection[Any]]:
-        """A live connection of the pool, for one call bounded by the call limit."""
+    def connection(self) -> Iterator[Connection[Any]]:
+        """A live connection of the pool for one call, bounded by the call limit (its COMMIT
+        included, on a transactional pool passed in), errors translated (ql3.db_guard)."""
         with (
             translated(),
             checked_out(self.pool.connection) as conn,
             bounded(conn, self._call_limit),
         ):
             yield conn
+            if not conn.autocommit:
+                conn.commit()
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        with self._connection() as conn:
+        with self.connection() as conn:
             return self._rows_on(conn, sql, params)
 
     @staticmethod
@@ -163,7 +177,7 @@ class PgStore:
         return rows[0] if rows else None
 
     def _value(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        with self._connection() as conn:
+        with self.connection() as conn:
             found = conn.execute(sql, params).fetchone()
             return None if found is None else found[0]
 
@@ -215,7 +229,7 @@ class PgStore:
         without that setting, the outbox trigger NOTIFYs at COMMIT as well, which is
         correct, only slower under concurrency.
         """
-        with self._connection() as conn:
+        with self.connection() as conn:
             if conn.autocommit:
                 return _null_row(_call_then_wake(conn, sql, params))
             event = _null_row(next(iter(self._rows_on(conn, sql, params)), None))
@@ -240,9 +254,7 @@ class PgStore:
 
     def active_pointers(self, keys: Iterable[ContractKey]) -> list[Row]:
         """One row per key (revision_id None when none is active), in one round trip."""
-        rows = self._rows(
-            "SELECT * FROM ql3.active_pointers(%s)", (Jsonb([list(k) for k in keys]),)
-        )
+        rows = self._rows("SELECT * FROM ql3.active_pointers(%s)", (pointer_keys(keys),))
         return [r for r in map(_plain, rows) if r is not None]
 
     def revision(self, revision_id: str) -> Row | None:

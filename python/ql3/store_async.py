@@ -77,6 +77,8 @@ class AsyncPgStore:
                 async with bounded_async(self._call_limit):
                     cur = await conn.execute(sql, params)
                     found = await cur.fetchone()
+                    if not conn.autocommit:  # a transactional pool passed in
+                        await conn.commit()
                 return None if found is None else found[0]
 
     async def _command(self, function: str, command: Mapping[str, Any]) -> Row:

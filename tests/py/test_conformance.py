@@ -550,6 +550,12 @@ OTHER_CASES: list[Case] = [
     ("usage since a text date", lambda w: w.store.usage_summary("proj", "yesterday"),
      "QL3_INVALID_ARGUMENT"),
     ("revision by a number", lambda w: w.store.revision(12345), "QL3_INVALID_ARGUMENT"),
+    ("revision by an object", lambda w: w.store.revision(object()), "QL3_INVALID_ARGUMENT"),
+    ("active revision by numbers", lambda w: w.store.active_revision(1, 2, 3),
+     "QL3_INVALID_ARGUMENT"),
+    ("pointers of a number key", lambda w: w.store.active_pointers([1]), "QL3_INVALID_ARGUMENT"),
+    ("pointers of no keys at all", lambda w: w.store.active_pointers(None),
+     "QL3_INVALID_ARGUMENT"),
 ]  # fmt: skip
 
 ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES

@@ -13,11 +13,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from fix_invocations import PROJECT, TRACE, admission, model_step
 from ql3 import errors
 from ql3.cache import RevisionCache
 from ql3.db import Timeouts
+from ql3.db_guard import WATCHDOG, bounded
 from ql3.store import PgStore
 from ql3.store_async import AsyncPgStore
 
@@ -177,3 +179,64 @@ def test_a_cache_read_from_a_backend_that_stopped_answering_ends_unavailable(
             assert again.revision_id == rev["revision_id"]
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+SLOW_COMMIT_SQL = """
+CREATE FUNCTION public.slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_sleep(3);
+    RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER runs_slow_commit AFTER INSERT ON ql3.runs
+DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.slow_commit();
+"""
+
+
+def test_the_commit_of_a_transactional_pool_is_inside_the_call_limit(db_dsn: str) -> None:
+    """A pool passed in commits when the call returns: that COMMIT (here slowed by a
+    deferred trigger, as a synchronous standby would) is bounded like the statement."""
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(SLOW_COMMIT_SQL)
+    limit = Timeouts(call_s=1.0)
+    with ConnectionPool(db_dsn, min_size=1, max_size=1, open=True) as pool:
+        store = PgStore(pool, timeouts=limit)
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="outcome is unknown"):
+            store.create_run(PROJECT, TRACE)
+        assert time.monotonic() - started < 2.5
+
+    async def scenario() -> None:
+        async with AsyncConnectionPool(db_dsn, min_size=1, max_size=1, open=False) as apool:
+            store = AsyncPgStore(apool, timeouts=limit)
+            started = time.monotonic()
+            with pytest.raises(errors.Unavailable, match="outcome is unknown"):
+                await store.create_run(PROJECT, TRACE)
+            assert time.monotonic() - started < 2.5 + 5  # psycopg's cancel wait
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_failure_after_the_connection_was_cut_is_overdue_and_drops_it(db_dsn: str) -> None:
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        with pytest.raises(errors.Unavailable, match="outcome is unknown"):  # noqa: SIM117
+            with bounded(conn, 0.05):
+                time.sleep(0.6)  # the watchdog cuts meanwhile
+                raise ValueError("something after the cut")
+        assert conn.closed
+
+
+def test_a_forked_child_gets_a_watchdog_of_its_own() -> None:
+    WATCHDOG.disarm(WATCHDOG.arm(object(), 60))  # type: ignore[arg-type]  # the parent's runs
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave at once
+        fresh = WATCHDOG._thread is None and not WATCHDOG._armed
+        WATCHDOG.disarm(WATCHDOG.arm(object(), 60))  # type: ignore[arg-type]
+        started = WATCHDOG._thread is not None and WATCHDOG._thread.is_alive()
+        os.write(write, b"ok" if fresh and started else b"no")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 2)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"ok"

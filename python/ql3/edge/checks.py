@@ -69,11 +69,15 @@ def check_identifier(field: str, value: object) -> str:
     return value
 
 
-def check_no_nul(*values: object) -> None:
-    """Text arguments of a read, as PostgreSQL's client refuses them: none may hold U+0000
-    (there is no such text to look up; the SQLite file would just find nothing)."""
-    if any(isinstance(v, str) and "\x00" in v for v in values):
-        invalid("a text argument contains U+0000")
+def check_text_args(*values: object) -> None:
+    """Text arguments of a read, as PostgreSQL refuses them: each is text or None (a number
+    matches no ql3 function there), and none holds U+0000 (there is no such text to look
+    up; the SQLite file would just find nothing)."""
+    for value in values:
+        if value is not None and not isinstance(value, str):
+            invalid(f"a text argument must be text, not {json_type(value)}")
+        if isinstance(value, str) and "\x00" in value:
+            invalid("a text argument contains U+0000")
 
 
 def check_shape(

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from ql3 import canonical, errors
-from ql3.edge.checks import check_identifier, check_no_nul, checked_digest, invalid, json_type
+from ql3.edge.checks import check_identifier, check_text_args, checked_digest, invalid, json_type
 from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain, uuid_v7
 
 BODY_DOMAIN = canonical.BODY_DOMAIN
@@ -193,7 +193,7 @@ def revoke_revision(tx: Tx, revision_id: str | None, actor: object, reason: obje
 
 
 def active_revision(tx: Tx, project_id: object, family: object, contract_id: object) -> Row | None:
-    check_no_nul(project_id, family, contract_id)
+    check_text_args(project_id, family, contract_id)
     return plain(
         tx.one(
             "SELECT r.revision_id, r.revision_no, r.body, r.body_hash, a.pointer_version"
@@ -207,6 +207,8 @@ def active_revision(tx: Tx, project_id: object, family: object, contract_id: obj
 
 def active_pointers(tx: Tx, keys: Iterable[Any]) -> list[Row]:
     checked: list[tuple[str, str, str]] = []
+    if not isinstance(keys, Iterable):
+        invalid("keys must be an array of [project_id, contract_family, contract_id]")
     for key in keys:
         if (
             not isinstance(key, list | tuple)
@@ -214,7 +216,7 @@ def active_pointers(tx: Tx, keys: Iterable[Any]) -> list[Row]:
             or not all(isinstance(part, str) for part in key)
         ):
             invalid("keys must be an array of [project_id, contract_family, contract_id]")
-        check_no_nul(*key)
+        check_text_args(*key)
         checked.append((key[0], key[1], key[2]))
     rows: list[Row] = []
     for key in checked:

@@ -18,10 +18,10 @@ from ql3 import canonical, errors
 from ql3.edge.checks import (
     check_currency,
     check_identifier,
-    check_no_nul,
     check_result_code,
     check_sha256,
     check_shape,
+    check_text_args,
     check_timestamp,
     check_uuid,
     checked_digest,
@@ -710,7 +710,7 @@ def usage_summary(
         invalid("project_id is required")
     if not isinstance(project_id, str):
         invalid(f"project_id must be text, not {type(project_id).__name__}")
-    check_no_nul(project_id)
+    check_text_args(project_id)
     if len(project_id) > canonical.MAX_IDENTIFIER_CHARS:
         raise errors.IdentifierTooLong(
             f"QL3_IDENTIFIER_TOO_LONG: project_id has {len(project_id)} characters (at most 128)"

@@ -172,7 +172,7 @@ def open_connection(
     try:
         conn.row_factory = sqlite3.Row
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        mode = conn.execute(f"PRAGMA journal_mode = {journal_mode.upper()}").fetchone()[0]
+        mode = _set_journal_mode(conn, journal_mode, busy_timeout_ms / 1000)
         if str(mode).lower() != journal_mode:
             raise errors.DatabaseError(
                 f"could not put {path} in journal_mode {journal_mode} (it stays {mode})"
@@ -187,6 +187,30 @@ def open_connection(
         conn.close()
         raise
     return conn
+
+
+def _set_journal_mode(conn: sqlite3.Connection, journal_mode: str, timeout: float) -> str:
+    """The file's journal mode after asking for ``journal_mode``.
+
+    Reading the mode takes no lock, so a file already in it (every open but the first)
+    changes nothing. Changing it does, and SQLite answers "busy" at once instead of
+    waiting the busy timeout (two processes opening a new file together): retried until
+    the busy timeout has passed.
+    """
+    mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0])
+    deadline = time.monotonic() + timeout
+    while mode.lower() != journal_mode:
+        try:
+            mode = str(conn.execute(f"PRAGMA journal_mode = {journal_mode.upper()}").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+        else:
+            break
+    return mode
 
 
 class Tx:
@@ -236,6 +260,7 @@ class Database:
         self.clock: Clock = clock or system_clock
         self.crash_point: CrashHook | None = None
         self.lock = threading.RLock()
+        self.busy_timeout = busy_timeout_ms / 1000
         self._outbox_listeners: list[Callable[[], None]] = []
 
     def close(self) -> None:
@@ -259,9 +284,24 @@ class Database:
         return remove
 
     @contextmanager
+    def locked(self) -> Iterator[None]:
+        """This store's lock, waited for at most the busy timeout: a thread queued behind
+        another that waits on a busy file must not wait longer than the file would make
+        it (``Unavailable``, as a busy file is)."""
+        if not self.lock.acquire(timeout=self.busy_timeout):
+            raise errors.Unavailable(
+                f"QL3_UNAVAILABLE: {self.path} is in use by this process's other threads "
+                f"for longer than the busy timeout ({self.busy_timeout:g} s)"
+            )
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextmanager
     def write(self, procedure: str) -> Iterator[Tx]:
         """``BEGIN IMMEDIATE`` ... COMMIT, rolled back whole on any exception."""
-        with self.lock:
+        with self.locked():
             conn = self.conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
@@ -290,7 +330,7 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Tx]:
         """A read transaction: one snapshot for several statements."""
-        with self.lock:
+        with self.locked():
             conn = self.conn
             try:
                 conn.execute("BEGIN")

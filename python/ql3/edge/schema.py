@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Final
 
 from ql3 import errors
-from ql3.edge.db import Database, utc_text
+from ql3.edge.db import Database, translate, utc_text
 from ql3.migrate import (
     AI,
     CORE,
@@ -149,13 +149,19 @@ def migrate_edge(db: Database, *, ai: bool, sql_root: Path | None = None) -> lis
     """Apply pending migrations: core first, then ql3_ai when ``ai``; what this call applied."""
     migrations = load_edge_migrations(sql_root, ai=ai)
     applied: list[Applied] = []
-    with db.lock:
+    with db.locked():
         conn = db.conn
+        ledgers: dict[str, dict[int, LedgerRow]] = {}
         for name, files in migrations.items():
             stream = EDGE_STREAMS[name]
-            refuse_ledger_problems(ledger_problems(stream, read_ledger(conn, stream) or {}, files))
+            ledgers[name] = read_ledger(conn, stream) or {}
+            refuse_ledger_problems(ledger_problems(stream, ledgers[name], files))
         for name, files in migrations.items():
             for migration in files:
+                # Applied already: no write lock (a file in use would make every open wait
+                # for it). _apply checks again under the lock, for the files it applies.
+                if migration.version in ledgers[name]:
+                    continue
                 if _apply(db, EDGE_STREAMS[name], migration, files):
                     applied.append(Applied(name, migration.version, migration.name))
     return applied
@@ -202,6 +208,9 @@ def _apply(db: Database, stream: Stream, migration: Migration, files: Sequence[M
                 conn.execute("ROLLBACK")
             raise
     except sqlite3.Error as exc:
+        translated = translate(exc)
+        if isinstance(translated, errors.Unavailable):  # a busy file: not now, not refused
+            raise translated from exc
         raise errors.MigrationError(f"migration of {db.path} failed: {exc}") from exc
     return True
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ql3 import errors
-from ql3.edge import EdgeStore
+from ql3.edge import EdgeRelay, EdgeStore
 
 
 def open_together(path: str, barrier: Any, results: Any) -> None:
@@ -103,3 +103,50 @@ def test_a_thread_waits_for_the_store_no_longer_than_the_busy_timeout(tmp_path: 
         holder.join(10)
     assert store.active_revision("p", "policy_routing", "c") is None
     store.close()
+
+
+def test_every_process_relay_hears_every_change_to_a_shared_file(tmp_path: Path) -> None:
+    """Two stores on one file stand for two processes, each with its relay. The writer's
+    relay marks the rows delivered; the other relay's subscribers still hear each of
+    them, once, in seq order (the delivered mark is shared, the local cursor is not)."""
+    path = tmp_path / "shared.db"
+    writer, reader = EdgeStore(path, "wal"), EdgeStore(path, "wal")
+    writer_relay = EdgeRelay(writer, redis_url="")
+    reader_relay = EdgeRelay(reader, redis_url="")
+    heard: list[int] = []
+    reader_relay.subscribe(lambda channel, message: heard.append(message["pointer_version"]))
+    try:
+        first = writer.put_revision("p", "policy_routing", "c", {"v": 1}, "ops")
+        second = writer.put_revision("p", "policy_routing", "c", {"v": 2}, "ops")
+        for revision in (first, second, first):
+            writer.activate_revision("p", "policy_routing", "c", revision["revision_id"], "ops")
+        assert writer_relay.drain() == 3  # claimed and marked delivered by the writer's
+        assert writer.outbox_backlog()["undelivered"] == 0
+        assert reader_relay.drain() == 3
+        assert heard == [1, 2, 3]
+        writer.revoke_revision(first["revision_id"], "ops", "gone")
+        assert writer_relay.drain() == 1 and reader_relay.drain() == 1
+        assert heard == [1, 2, 3, 4]
+        assert reader_relay.drain() == 0  # nothing twice
+    finally:
+        writer_relay.close()
+        reader_relay.close()
+        writer.close()
+        reader.close()
+
+
+def test_a_relay_started_late_still_delivers_the_backlog_to_its_subscribers(
+    tmp_path: Path,
+) -> None:
+    store = EdgeStore(tmp_path / "late.db", "wal")
+    revision = store.put_revision("p", "policy_routing", "c", {"v": 1}, "ops")
+    store.activate_revision("p", "policy_routing", "c", revision["revision_id"], "ops")
+    relay = EdgeRelay(store, redis_url="")
+    heard: list[int] = []
+    relay.subscribe(lambda channel, message: heard.append(message["seq"]))
+    try:
+        assert relay.drain() == 1 and len(heard) == 1
+        assert store.outbox_backlog()["undelivered"] == 0
+    finally:
+        relay.close()
+        store.close()

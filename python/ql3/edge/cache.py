@@ -23,11 +23,9 @@ cannot run over the SQLite shim; this is the same contract, cut down to one proc
 - **Monotonic.** Loads run one at a time under the cache's lock and read the store as it
   is now, so an entry is never replaced by one with a lower pointer_version.
 
-One process per file, for the messages: an ``EdgeRelay`` marks what it hands out as
-delivered, so with a relay in each of several processes on one file, each relay hears only
-the rows it claimed first, and a cache misses the changes another process's relay took. It
-then learns of them through the fallback, within the family's max staleness (D39). Run
-one relay per file (and the caches in its process) when changes must arrive sooner.
+Several processes may share one file, each with its relay and caches: a relay's local
+subscribers follow the outbox with a cursor of their own, so each hears every change
+whichever process wrote it or marked it delivered (D39).
 
 ``get_effective`` and ``verify_all`` are coroutines, as ``RevisionCache``'s are, so the
 model gateway (``PolicySource``) and the provider adapter (``TopologySource``) take this

@@ -247,6 +247,15 @@ def claim_outbox(tx: Tx, limit: object) -> list[Row]:
     return [_revision_row(r) for r in rows]
 
 
+def outbox_after(tx: Tx, after: int, limit: int) -> list[Row]:
+    """Up to ``limit`` rows with a seq above ``after``, in seq order, delivered or not (one
+    writer at a time: seqs commit in order, so a cursor over them misses none)."""
+    rows = tx.all(
+        "SELECT * FROM contract_outbox WHERE seq > ? ORDER BY seq LIMIT ?", (int(after), limit)
+    )
+    return [_revision_row(r) for r in rows]
+
+
 def mark_outbox_delivered(tx: Tx, seqs: Sequence[int]) -> int:
     changed = 0
     for seq in seqs:

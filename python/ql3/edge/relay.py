@@ -11,6 +11,12 @@ Rows are read, delivered, then marked delivered in a short write transaction: th
 lock is never held across a callback or a network round trip. A crash between delivery
 and the mark delivers again (at least once); a failed delivery is recorded on the rows
 (``relay_attempts``, ``last_error``) and retried after a capped exponential backoff.
+
+Local subscribers follow the outbox by seq with a cursor of this relay's own, not by the
+rows' delivered mark: with a relay in each of several processes on one file, the marks
+are shared (Redis needs each row once), but every process's subscribers must hear every
+row (D39). The cursor starts before the first undelivered row (or at the top when none
+is), so rows committed before the relay started are not lost to its subscribers.
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ class EdgeRelay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cycle = threading.Lock()
+        first = store.claim_outbox(1)
+        self._local_seq = (
+            int(first[0]["seq"]) - 1 if first else int(store.outbox_backlog()["max_seq"])
+        )
         self._unlisten = store.on_outbox_commit(self._wake.set)
 
     # -- subscribers ------------------------------------------------------------------
@@ -123,23 +133,31 @@ class EdgeRelay:
         Raises ``DeliveryFailed`` after recording the failure on the rows.
         """
         with self._cycle:
+            local = self.store.outbox_after(self._local_seq, self.batch)
+            if local:
+                self._attempt(local, self._deliver_locally)
+                self._local_seq = int(local[-1]["seq"])
             rows = self.store.claim_outbox(self.batch)
-            if not rows:
-                return 0
-            seqs = [int(row["seq"]) for row in rows]
-            try:
-                self._deliver(rows)
-            except Exception as exc:
-                self.failures += 1
-                self.last_error = describe_error(exc)
-                self.store.mark_outbox_failed(seqs, self.last_error)
-                log.warning("edge relay delivery failed: %s", self.last_error)
-                raise DeliveryFailed(self.last_error) from exc
-            self.store.mark_outbox_delivered(seqs)
-            self.delivered_seq = max(self.delivered_seq, max(seqs))
-            self.published += len(rows)
+            if rows:
+                if self.redis_url:
+                    self._attempt(rows, self._publish)
+                seqs = [int(row["seq"]) for row in rows]
+                self.store.mark_outbox_delivered(seqs)
+                self.delivered_seq = max(self.delivered_seq, max(seqs))
+                self.published += len(rows)
             self.last_error = None
-            return len(rows)
+            return max(len(local), len(rows))
+
+    def _attempt(self, rows: Sequence[Row], deliver: Callable[[Sequence[Row]], None]) -> None:
+        """Deliver rows, or record the failure on those still undelivered and raise."""
+        try:
+            deliver(rows)
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = describe_error(exc)
+            self.store.mark_outbox_failed([int(row["seq"]) for row in rows], self.last_error)
+            log.warning("edge relay delivery failed: %s", self.last_error)
+            raise DeliveryFailed(self.last_error) from exc
 
     def drain(self) -> int:
         """Deliver batches until the outbox is empty; the number of events delivered."""
@@ -150,19 +168,23 @@ class EdgeRelay:
             if count < self.batch:
                 return total
 
-    def _deliver(self, rows: Sequence[Row]) -> None:
-        messages = [
+    def _messages(self, rows: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
+        return [
             (self.channel(row["project_id"]), self._pg_relay.event_message(row)) for row in rows
         ]
+
+    def _deliver_locally(self, rows: Sequence[Row]) -> None:
+        messages = self._messages(rows)
         for fn, projects in list(self._subscribers):
             for (channel, message), row in zip(messages, rows, strict=True):
                 if projects is None or row["project_id"] in projects:
                     fn(channel, message)
-        if self.redis_url:
-            with self._client().pipeline(transaction=False) as pipe:
-                for channel, message in messages:
-                    pipe.publish(channel, json.dumps(message))
-                pipe.execute()
+
+    def _publish(self, rows: Sequence[Row]) -> None:
+        with self._client().pipeline(transaction=False) as pipe:
+            for channel, message in self._messages(rows):
+                pipe.publish(channel, json.dumps(message))
+            pipe.execute()
 
     def _client(self) -> redis.Redis:
         if self._redis is None:

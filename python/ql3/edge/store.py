@@ -198,6 +198,12 @@ class EdgeStore:
         with self._db.read() as tx:
             return contracts.claim_outbox(tx, limit)
 
+    def outbox_after(self, after: int, limit: int) -> list[Row]:
+        """Up to ``limit`` outbox rows with a seq above ``after``, delivered or not, in seq
+        order: what an ``EdgeRelay``'s local subscribers follow."""
+        with self._db.read() as tx:
+            return contracts.outbox_after(tx, after, limit)
+
     def mark_outbox_delivered(self, seqs: Sequence[int]) -> int:
         """Marks rows delivered (already delivered ones are left alone); how many changed."""
         with self._db.write("mark_outbox_delivered") as tx:

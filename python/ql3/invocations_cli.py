@@ -15,8 +15,7 @@ from typing import Any
 from psycopg.rows import dict_row
 
 from ql3 import errors
-from ql3.cli import print_json
-from ql3.db import dsn_from_env
+from ql3.cli import open_store, print_json
 from ql3.invocations import Decision, parse_timestamp, resolution_command
 from ql3.store import PgStore, Row
 
@@ -134,12 +133,8 @@ def resolve(
 # -- command line ----------------------------------------------------------------------
 
 
-def _store(args: argparse.Namespace) -> PgStore:
-    return PgStore.checked(dsn_from_env(args.dsn), max_connections=1)
-
-
 def _list(args: argparse.Namespace) -> int:
-    with _store(args) as store:
+    with open_store(args) as store:
         rows = list_invocations(
             store, unresolved=args.unresolved, project_id=args.project, limit=args.limit
         )
@@ -148,13 +143,13 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    with _store(args) as store:
+    with open_store(args) as store:
         print_json(invocation_detail(store, args.invocation_id))
     return 0
 
 
 def _resolve(args: argparse.Namespace) -> int:
-    with _store(args) as store:
+    with open_store(args) as store:
         result = resolve(
             store, args.invocation_id, decision=args.decision, user_id=args.user, reason=args.reason
         )
@@ -165,7 +160,7 @@ def _resolve(args: argparse.Namespace) -> int:
 def _usage(args: argparse.Namespace) -> int:
     since = None if args.since is None else parse_timestamp(args.since)
     until = None if args.until is None else parse_timestamp(args.until)
-    with _store(args) as store:
+    with open_store(args) as store:
         rows = store.usage_summary(args.project, since, until)
     print_json(rows)
     return 0

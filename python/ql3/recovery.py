@@ -92,7 +92,7 @@ class RecoveryConfig:
         if self.metrics_port is not None and (
             not isinstance(self.metrics_port, int) or self.metrics_port > 65535
         ):
-            raise errors.Misconfigured(
+            raise errors.InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: metrics port {self.metrics_port!r} is not a TCP port "
                 "(0..65535, or negative for none)"
             )

@@ -19,7 +19,7 @@ from fix_invocations import PROJECT, TRACE, admission, model_step
 from ql3 import errors
 from ql3.cache import RevisionCache
 from ql3.db import Timeouts
-from ql3.db_guard import WATCHDOG, bounded
+from ql3.db_guard import WATCHDOG, bounded, checked_out
 from ql3.store import PgStore
 from ql3.store_async import AsyncPgStore
 
@@ -240,3 +240,21 @@ def test_a_forked_child_gets_a_watchdog_of_its_own() -> None:
     os.close(read)
     os.waitpid(pid, 0)
     assert answer == b"ok"
+
+
+def test_a_pool_that_only_hands_out_closed_connections_is_unavailable(db_dsn: str) -> None:
+    closed = psycopg.connect(db_dsn)
+    closed.close()
+    offered: list[int] = []
+
+    @contextlib.contextmanager
+    def only_closed() -> Iterator[psycopg.Connection[Any]]:
+        offered.append(1)
+        yield closed
+
+    with (
+        pytest.raises(errors.Unavailable, match="every pooled connection was closed"),
+        checked_out(only_closed),
+    ):
+        raise AssertionError("a closed connection was handed out")
+    assert len(offered) > 1  # each one discarded, the next one tried

@@ -5,6 +5,7 @@ daemon in-process and as a process stopped by SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -338,22 +339,29 @@ class LineReader:
         raise AssertionError(f"no {event} log line; saw: {''.join(self.seen)}")
 
 
-def start_recover_loop(dsn: str, *flags: str) -> tuple[subprocess.Popen[str], LineReader]:
+@contextlib.contextmanager
+def recover_loop(dsn: str, *flags: str) -> Iterator[tuple[subprocess.Popen[str], LineReader]]:
     """``ql3 recover --loop --grace 0 --metrics-port 0 FLAGS`` as a process of its own on
-    ``dsn``, and a reader of its log lines."""
+    ``dsn``, and a reader of its log lines; killed at the end if still running."""
     exe = Path(sys.executable).with_name("ql3")
     argv = [str(exe), "recover", "--loop", "--grace", "0", "--metrics-port", "0", *flags]
     env = {**os.environ, "QL3_DSN": dsn}
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    return proc, LineReader(proc.stderr)
+    logs = LineReader(proc.stderr)
+    try:
+        yield proc, logs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        logs.close()
 
 
 def test_recover_loop_process_recovers_serves_metrics_and_exits_0_on_sigterm(
     runtime: PgStore, db_dsn: str
 ) -> None:
-    proc, logs = start_recover_loop(role_dsn(db_dsn, "operator"), "--interval", "0.1")
-    try:
+    with recover_loop(role_dsn(db_dsn, "operator"), "--interval", "0.1") as (proc, logs):
         port = int(logs.until("metrics_listening")["port"])
         _, expired = running(runtime, deadline=PAST)
         logs.until("invocation_recovered", invocation_id=invocation_id(expired))
@@ -364,11 +372,6 @@ def test_recover_loop_process_recovers_serves_metrics_and_exits_0_on_sigterm(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         logs.until("recovery_stopped", recovered=1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        logs.close()
 
 
 # -- bad settings, stalled connections, stop grace --------------------------------------
@@ -494,11 +497,10 @@ def test_sigterm_ends_the_daemon_within_stop_grace_even_while_a_batch_hangs(
     db_dsn: str,
     pg_proxy: PgProxy,  # noqa: F811
 ) -> None:
-    proc, logs = start_recover_loop(
+    with recover_loop(
         pg_proxy.dsn(role_dsn(db_dsn, "operator")), "--interval", "0.05",
         "--statement-timeout", "0.5", "--health-margin", "0.5", "--stop-grace", "1",
-    )  # fmt: skip
-    try:
+    ) as (proc, logs):  # fmt: skip
         port = int(logs.until("metrics_listening")["port"])
         wait_for_health(port, "ok")
         pg_proxy.freeze()
@@ -508,11 +510,6 @@ def test_sigterm_ends_the_daemon_within_stop_grace_even_while_a_batch_hangs(
         assert proc.wait(timeout=10) == 1
         logs.until("stop_requested", signal="SIGTERM")
         logs.until("stop_grace_exceeded", stop_grace=1.0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        logs.close()
 
 
 def test_the_signal_handler_takes_no_lock_the_interrupted_thread_may_hold(

@@ -198,19 +198,17 @@ def _set_journal_mode(conn: sqlite3.Connection, journal_mode: str, timeout: floa
     the busy timeout has passed.
     """
     mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0])
+    if mode.lower() == journal_mode:
+        return mode
     deadline = time.monotonic() + timeout
-    while mode.lower() != journal_mode:
+    while True:
         try:
-            mode = str(conn.execute(f"PRAGMA journal_mode = {journal_mode.upper()}").fetchone()[0])
+            return str(conn.execute(f"PRAGMA journal_mode = {journal_mode.upper()}").fetchone()[0])
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc):
-                raise
-            if time.monotonic() >= deadline:
+            busy = "locked" in str(exc) or "busy" in str(exc)
+            if not busy or time.monotonic() >= deadline:
                 raise
             time.sleep(0.01)
-        else:
-            break
-    return mode
 
 
 class Tx:

@@ -5,6 +5,8 @@ Callers catch these classes (or test ``.code``) and never need to import psycopg
 
 from __future__ import annotations
 
+import uuid
+
 
 class Ql3Error(Exception):
     """Base class of every ql3 error; ``code`` is the stable name (SPEC section 6)."""
@@ -111,3 +113,30 @@ def from_sqlstate(sqlstate: str | None, message: str, detail: str | None = None)
     if cls is None:
         return None
     return cls(message, detail=detail)
+
+
+def check_text_args(*values: object) -> None:
+    """Refuses text arguments PostgreSQL would not take as text: each is a ``str`` or None,
+    and none holds U+0000 (PostgreSQL text cannot). Both stores call it first, as
+    PostgreSQL resolves argument types before a function runs. (psycopg would send an
+    empty list as the untyped literal ``'{}'``, which PostgreSQL then takes as text.)"""
+    for value in values:
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: a text argument must be text, not {type(value).__name__}"
+            )
+        if "\x00" in value:
+            raise InvalidArgument("QL3_INVALID_ARGUMENT: a text argument contains NUL (U+0000)")
+
+
+def check_uuid_args(*values: object) -> None:
+    """Refuses uuid arguments that are neither text, a ``uuid.UUID`` nor None. (psycopg
+    would send a list of one string as the array literal ``'{...}'``, which is also a
+    spelling PostgreSQL accepts for a uuid.) The text itself is checked by the cast."""
+    for value in values:
+        if value is not None and not isinstance(value, str | uuid.UUID):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: a uuid argument must be text, not {type(value).__name__}"
+            )

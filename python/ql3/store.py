@@ -42,13 +42,18 @@ def command_sql(function: str) -> str:
 
 def pointer_keys(keys: Iterable[ContractKey]) -> Jsonb:
     """The keys of ``active_pointers`` as its JSON argument; the function checks each key,
-    anything that is not a list of sequences is refused here."""
+    anything that is not an iterable of lists or tuples is refused here (a string is not
+    a key: "abc" would otherwise read as the key a/b/c)."""
+    refused = errors.InvalidArgument(
+        "QL3_INVALID_ARGUMENT: keys must be [project_id, contract_family, contract_id] lists"
+    )
     try:
-        return Jsonb([list(k) for k in keys])
+        listed = list(keys)
     except TypeError:
-        raise errors.InvalidArgument(
-            "QL3_INVALID_ARGUMENT: keys must be [project_id, contract_family, contract_id] lists"
-        ) from None
+        raise refused from None
+    if not all(isinstance(k, list | tuple) for k in listed):
+        raise refused
+    return Jsonb([list(k) for k in listed])
 
 
 def command_json(command: Mapping[str, Any]) -> Jsonb:
@@ -187,6 +192,7 @@ class PgStore:
         self, project_id: str, contract_family: str, contract_id: str, body: Any, actor: str
     ) -> Row:
         """Stores an immutable revision, or returns the one with the same body."""
+        errors.check_text_args(project_id, contract_family, contract_id, actor)
         row = self._row(
             "SELECT * FROM ql3.put_revision(%s, %s, %s, %s, %s)",
             (project_id, contract_family, contract_id, Jsonb(body), actor),
@@ -205,6 +211,8 @@ class PgStore:
         expected_active_revision_id: str | None = None,
     ) -> Row | None:
         """Makes the revision active; the outbox event, or None when it already was."""
+        errors.check_text_args(project_id, contract_family, contract_id, actor)
+        errors.check_uuid_args(revision_id, expected_active_revision_id)
         return self._outbox_write(
             "SELECT * FROM ql3.activate_revision(%s, %s, %s, %s::uuid, %s, %s::uuid)",
             (project_id, contract_family, contract_id, revision_id, actor,
@@ -213,6 +221,8 @@ class PgStore:
 
     def revoke_revision(self, revision_id: str, actor: str, reason: str) -> Row | None:
         """Revokes for good; the outbox event, or None when it was already revoked."""
+        errors.check_text_args(actor, reason)
+        errors.check_uuid_args(revision_id)
         return self._outbox_write(
             "SELECT * FROM ql3.revoke_revision(%s::uuid, %s, %s)", (revision_id, actor, reason)
         )
@@ -245,6 +255,7 @@ class PgStore:
         self, project_id: str, contract_family: str, contract_id: str
     ) -> Row | None:
         """The active revision with its pointer_version, or None."""
+        errors.check_text_args(project_id, contract_family, contract_id)
         return _plain(
             self._row(
                 "SELECT * FROM ql3.active_revision(%s, %s, %s)",
@@ -259,6 +270,7 @@ class PgStore:
 
     def revision(self, revision_id: str) -> Row | None:
         """One stored revision by id (active or not), or None."""
+        errors.check_uuid_args(revision_id)
         return _plain(
             self._row(
                 "SELECT * FROM ql3.contract_revisions WHERE revision_id = %s::uuid", (revision_id,)
@@ -275,20 +287,26 @@ class PgStore:
 
     def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
         """Creates a run (idempotent on the same run_id and content); its run_id."""
+        errors.check_text_args(project_id, trace_id)
+        errors.check_uuid_args(run_id)
         return str(self._value(CREATE_RUN_SQL, (project_id, trace_id, run_id)))
 
     def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
         """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
+        errors.check_text_args(kind)
+        errors.check_uuid_args(run_id, step_run_id)
         return str(self._value(ADD_STEP_RUN_SQL, (run_id, kind, step_run_id)))
 
     def step_run(self, step_run_id: str) -> Row | None:
         """The step row as it is now, or None."""
+        errors.check_uuid_args(step_run_id)
         return _plain(
             self._row("SELECT * FROM ql3.step_runs WHERE step_run_id = %s::uuid", (step_run_id,))
         )
 
     def run(self, run_id: str) -> Row | None:
         """The run row as it is now, or None."""
+        errors.check_uuid_args(run_id)
         return _plain(self._row("SELECT * FROM ql3.runs WHERE run_id = %s::uuid", (run_id,)))
 
     # -- model invocations (stream ql3_ai) ------------------------------------------------

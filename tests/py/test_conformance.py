@@ -556,6 +556,42 @@ OTHER_CASES: list[Case] = [
     ("pointers of a number key", lambda w: w.store.active_pointers([1]), "QL3_INVALID_ARGUMENT"),
     ("pointers of no keys at all", lambda w: w.store.active_pointers(None),
      "QL3_INVALID_ARGUMENT"),
+    # psycopg sends an empty list as the untyped literal '{}', which PostgreSQL took as text
+    ("put under a contract id that is an empty list", lambda w: w.store.put_revision(
+        "proj", FAMILY, [], {}, "ops"), "QL3_INVALID_ARGUMENT"),
+    ("activate by an actor that is an empty list", lambda w: w.store.activate_revision(
+        "proj", FAMILY, "idle", w.revisions["c"], []), "QL3_INVALID_ARGUMENT"),
+    ("revoke with a reason that is an empty list", lambda w: w.store.revoke_revision(
+        w.revisions["c"], "ops", []), "QL3_INVALID_ARGUMENT"),
+    ("a run of a project that is an empty list", lambda w: w.store.create_run([], "t"),
+     "QL3_INVALID_ARGUMENT"),
+    ("a step of a kind that is an empty list", lambda w: w.store.add_step_run(R1, []),
+     "QL3_INVALID_ARGUMENT"),
+    ("active revision of a contract that is an empty list", lambda w: w.store.active_revision(
+        "proj", FAMILY, []), "QL3_INVALID_ARGUMENT"),
+    # PostgreSQL resolves argument types before the function checks their values
+    ("put with a long project and a number for the family", lambda w: w.store.put_revision(
+        "p" * 129, 0, "c", {}, "ops"), "QL3_INVALID_ARGUMENT"),
+    ("activate with a long project and a number for the actor",
+     lambda w: w.store.activate_revision("p" * 129, FAMILY, "idle", w.revisions["c"], 0),
+     "QL3_INVALID_ARGUMENT"),
+    ("a run of a long project and a number for the trace", lambda w: w.store.create_run(
+        "p" * 129, 7), "QL3_INVALID_ARGUMENT"),
+    ("usage of a long project until a number", lambda w: w.store.usage_summary(
+        "p" * 129, None, 0), "QL3_INVALID_ARGUMENT"),
+    ("pointers of a three-letter string key", lambda w: w.store.active_pointers(["abc"]),
+     "QL3_INVALID_ARGUMENT"),
+    ("pointers of a mapping's keys", lambda w: w.store.active_pointers({"abc": 1}),
+     "QL3_INVALID_ARGUMENT"),
+    # psycopg sends a list of one string as '{...}', a uuid spelling PostgreSQL accepts
+    ("revision by a list of its id", lambda w: w.store.revision([w.revisions["a"]]),
+     "QL3_INVALID_ARGUMENT"),
+    ("step by a list of its id", lambda w: w.store.step_run([step(1)]), "QL3_INVALID_ARGUMENT"),
+    ("run by a list of its id", lambda w: w.store.run([R1]), "QL3_INVALID_ARGUMENT"),
+    ("activate a list of a revision id", lambda w: w.store.activate_revision(
+        "proj", FAMILY, "idle", [w.revisions["c"]], "ops"), "QL3_INVALID_ARGUMENT"),
+    ("a step in a list of a run id", lambda w: w.store.add_step_run([R1], "model"),
+     "QL3_INVALID_ARGUMENT"),
 ]  # fmt: skip
 
 ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES

@@ -69,17 +69,6 @@ def check_identifier(field: str, value: object) -> str:
     return value
 
 
-def check_text_args(*values: object) -> None:
-    """Text arguments of a read, as PostgreSQL refuses them: each is text or None (a number
-    matches no ql3 function there), and none holds U+0000 (there is no such text to look
-    up; the SQLite file would just find nothing)."""
-    for value in values:
-        if value is not None and not isinstance(value, str):
-            invalid(f"a text argument must be text, not {json_type(value)}")
-        if isinstance(value, str) and "\x00" in value:
-            invalid("a text argument contains U+0000")
-
-
 def check_shape(
     what: str,
     command: object,

@@ -21,13 +21,13 @@ from ql3.edge.checks import (
     check_result_code,
     check_sha256,
     check_shape,
-    check_text_args,
     check_timestamp,
     check_uuid,
     checked_digest,
     invalid,
 )
 from ql3.edge.db import Row, Tx, utc_text
+from ql3.errors import check_text_args
 from ql3.invocations import (
     ADMISSION_SCHEMA,
     COMPLETION_COMMAND_SCHEMA,
@@ -706,6 +706,8 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
 def usage_summary(
     tx: Tx, project_id: object, since: datetime | None, until: datetime | None
 ) -> list[Row]:
+    # The bounds first: PostgreSQL takes them as timestamptz arguments before its checks.
+    lower, upper = (None if m is None else utc_text(as_utc(m)) for m in (since, until))
     if project_id is None or project_id == "":
         invalid("project_id is required")
     if not isinstance(project_id, str):
@@ -715,7 +717,6 @@ def usage_summary(
         raise errors.IdentifierTooLong(
             f"QL3_IDENTIFIER_TOO_LONG: project_id has {len(project_id)} characters (at most 128)"
         )
-    lower, upper = (None if m is None else utc_text(as_utc(m)) for m in (since, until))
     if lower is not None and upper is not None and lower > upper:
         invalid("from is after to")
     rows = tx.all(

@@ -350,7 +350,13 @@ class RevisionCache:
         ``Unavailable`` when a needed verification cannot reach the database.
         """
         key = (project_id, contract_family, contract_id)
-        self._known.add(key)
+        try:
+            known = key in self._known
+        except TypeError:  # unhashable: not a key at all, as check_contract_key says
+            known = False
+        if not known:
+            errors.check_contract_key(*key)
+            self._known.add(key)
         since = time.monotonic()
         for _ in range(5):
             entry = self._entries.get(key)

@@ -140,3 +140,21 @@ def check_uuid_args(*values: object) -> None:
             raise InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: a uuid argument must be text, not {type(value).__name__}"
             )
+
+
+def check_contract_key(project_id: object, contract_family: object, contract_id: object) -> None:
+    """Refuses a contract key a revision cache could not look up: each part must be text
+    that PostgreSQL can hold (no U+0000, no lone surrogate)."""
+    parts = (project_id, contract_family, contract_id)
+    for part in parts:
+        if not isinstance(part, str):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: a contract key part must be text, not {type(part).__name__}"
+            )
+    check_text_args(*parts)
+    try:
+        "".join(parts).encode()  # type: ignore[arg-type]
+    except UnicodeEncodeError:
+        raise InvalidArgument(
+            "QL3_INVALID_ARGUMENT: a contract key part is not valid Unicode (a lone surrogate)"
+        ) from None

@@ -11,6 +11,7 @@ digests byte for byte, and then the same step state.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import itertools
@@ -26,7 +27,9 @@ from hypothesis import strategies as st
 
 from fix_stores import make_edge_store, pin_clock
 from ql3 import errors
+from ql3.cache import RevisionCache
 from ql3.edge import EdgeStore
+from ql3.edge.cache import EdgeRevisionCache
 from ql3.invocations import ADMISSION_SCHEMA, COMPLETION_COMMAND_SCHEMA, RESOLUTION_COMMAND_SCHEMA
 from ql3.store import PgStore
 
@@ -521,3 +524,55 @@ def test_replays(pair: Pair, data: st.DataObject, with_policy: bool) -> None:
     again = data.draw(mutated(done, ("usage",)))
     pair.both(lambda s: complete(s, again), not with_policy)
     pair.step_state(step_id)
+
+
+CACHE_KEYS: list[tuple[Any, Any, Any]] = [
+    ("proj", FAMILY, "router"),
+    ("proj", FAMILY, "none"),
+    ("proj", "Policy_routing", "router"),
+    ("proj", "unknown_family", "router"),
+    ("", FAMILY, "router"),
+    ("p" * 129, FAMILY, "router"),
+    ("proj", FAMILY, "r" * 129),
+    ("proj", 0, "router"),
+    ("p" * 129, 0, "router"),
+    ("proj", FAMILY, None),
+    ([], FAMILY, "router"),
+    ("proj", FAMILY, ["router"]),
+    ("proj\x00", FAMILY, "router"),
+    ("x\ud800", FAMILY, "router"),
+    ("proj", FAMILY, "router"),  # still served after every refusal above
+]
+
+
+def test_both_revision_caches_answer_every_key_alike(
+    pair: Pair, db_dsn: str, redis_url: str
+) -> None:
+    """``RevisionCache`` (PostgreSQL, Redis) and ``EdgeRevisionCache`` (SQLite) give the
+    same revision or the same error code for each key, bad ones included."""
+
+    async def answers(cache: Any) -> list[Any]:
+        got: list[Any] = []
+        for key in CACHE_KEYS:
+            try:
+                found = await asyncio.wait_for(cache.get_effective(*key), 10)
+                got.append((found.revision_no, found.pointer_version, found.body))
+            except errors.Ql3Error as exc:
+                got.append(exc.code)
+            except Exception as exc:  # a raw exception is a cache letting bad input through
+                got.append(f"raw {type(exc).__name__}: {exc}")
+        return got
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        async with RevisionCache(db_dsn, redis_url) as cache:
+            on_pg = await answers(cache)
+        edge = EdgeRevisionCache(pair.edge, None)
+        try:
+            return on_pg, await answers(edge)
+        finally:
+            edge.close()
+
+    on_pg, on_edge = asyncio.run(both())
+    assert on_pg[0] == (1, 1, {"r": 1}) == on_pg[-1]
+    assert not [a for a in on_pg if isinstance(a, str) and a.startswith("raw")], on_pg
+    assert on_edge == on_pg

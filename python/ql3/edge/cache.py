@@ -135,6 +135,7 @@ class EdgeRevisionCache:
         ``BodyHashMismatch`` for a body that does not match its hash and ``Unavailable``
         when the store cannot be read.
         """
+        errors.check_contract_key(project_id, contract_family, contract_id)
         key = (project_id, contract_family, contract_id)
         with self._lock:
             entry = self._entries.get(key)

@@ -156,9 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LIST_OPTIONS = frozenset({"target"})
+"""Options that take several values (``migrate --target``); every other one takes one."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for name, value in vars(args).items():
+        # argparse (3.11) gives an option written ``--name=--`` an empty list as its value
+        # instead of refusing it, past its type check too (``--limit=--`` is not an int).
+        if value == [] and name not in LIST_OPTIONS:
+            parser.error(f"argument --{name.replace('_', '-')}: expected one argument")
     showing_active = args.command == "revision" and args.verb == "show" and not args.revision
     if showing_active and not (args.project and args.family and args.contract):
         parser.error("revision show needs --revision, or --project, --family and --contract")

@@ -472,13 +472,21 @@ class OpenAICompatibleProvider:
         ``options`` are further OpenAI parameters (``temperature``, ``max_tokens``...); they
         may not set ``model``, ``messages``, ``stream`` or ``stream_options``.
         """
+        if options is not None and not isinstance(options, Mapping):
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: options must be an object, not {type(options).__name__}"
+            )
         extra = dict(options or {})
         reserved = {"model", "messages", "stream", "stream_options"} & set(extra)
         if reserved:
             raise errors.InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: options may not set {', '.join(sorted(reserved))}"
             )
-        if isinstance(messages, str | bytes) or not all(isinstance(m, Mapping) for m in messages):
+        if (
+            not isinstance(messages, Sequence)
+            or isinstance(messages, str | bytes)
+            or not all(isinstance(m, Mapping) for m in messages)
+        ):
             raise errors.InvalidArgument("QL3_INVALID_ARGUMENT: messages must be a list of objects")
         doc: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], **extra}
         doc["stream"] = stream
@@ -486,11 +494,11 @@ class OpenAICompatibleProvider:
             doc["stream_options"] = {"include_usage": True}
         try:
             text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as exc:
+            return text.encode("utf-8")
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError (a lone surrogate) too
             raise errors.InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: the request is not JSON: {exc}"
             ) from exc
-        return text.encode("utf-8")
 
     async def complete(self, route: Route, body: bytes) -> ProviderResponse:
         """One non-streaming call."""

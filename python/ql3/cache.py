@@ -225,6 +225,19 @@ class RevisionCache:
         redis_timeout: float = 5.0,
         db_timeout: float = 5.0,
     ) -> None:
+        for name, seconds in (
+            ("heartbeat_timeout", heartbeat_timeout),
+            ("subscribe_timeout", subscribe_timeout),
+            ("redis_timeout", redis_timeout),
+            ("db_timeout", db_timeout),
+        ):
+            errors.check_seconds(name, seconds)
+        overrides = errors.check_staleness(max_staleness)
+        if not isinstance(channel_prefix, str) or not channel_prefix:
+            raise errors.InvalidArgument(
+                "QL3_INVALID_ARGUMENT: channel_prefix must be a non-empty string"
+            )
+        projects = errors.check_projects(projects)
         if isinstance(conninfo_or_pool, str):
             self._pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
                 conninfo_or_pool,
@@ -248,7 +261,7 @@ class RevisionCache:
         self._redis_url = redis_url
         self._prefix = channel_prefix
         self._projects = sorted(set(projects)) if projects is not None else None
-        self._overrides = dict(max_staleness or {})
+        self._overrides = overrides
         self._heartbeat_timeout = heartbeat_timeout
         self._subscribe_timeout = subscribe_timeout
         self._redis_timeout = redis_timeout

@@ -5,7 +5,9 @@ Callers catch these classes (or test ``.code``) and never need to import psycopg
 
 from __future__ import annotations
 
+import math
 import uuid
+from collections.abc import Iterable, Mapping
 
 
 class Ql3Error(Exception):
@@ -158,3 +160,62 @@ def check_contract_key(project_id: object, contract_family: object, contract_id:
         raise InvalidArgument(
             "QL3_INVALID_ARGUMENT: a contract key part is not valid Unicode (a lone surrogate)"
         ) from None
+
+
+def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
+    """A setting in seconds: a finite real number above 0 (or at least 0 with ``zero``).
+    NaN would compare false everywhere, so a NaN timeout could silently never expire."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        bound = "at least 0" if zero else "above 0"
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {name} must be a finite number of seconds {bound}, "
+            f"not {value!r}"
+        )
+    return float(value)
+
+
+def check_staleness(overrides: object) -> dict[str, float]:
+    """``max_staleness`` of a revision cache: family name -> seconds (0 = verify every use)."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: max_staleness must map families to seconds, "
+            f"not {type(overrides).__name__}"
+        )
+    checked: dict[str, float] = {}
+    for family, seconds in overrides.items():
+        if not isinstance(family, str):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: max_staleness keys are family names, not {family!r}"
+            )
+        checked[family] = check_seconds(f"max_staleness[{family!r}]", seconds, zero=True)
+    return checked
+
+
+def check_projects(projects: object) -> list[str] | None:
+    """A subscription's project ids: None (every project) or an iterable of non-empty
+    ids. A string is refused: its characters would be taken for the projects, and the
+    subscriber would never hear the project it named."""
+    if projects is None:
+        return None
+    if isinstance(projects, str | bytes) or not isinstance(projects, Iterable):
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: projects must be a list of project ids, "
+            f"not {type(projects).__name__}"
+        )
+    checked = list(projects)
+    for project in checked:
+        try:
+            check_contract_key(project, "", "")
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{exc.message} (a project id of projects)") from None
+        if not project:
+            raise InvalidArgument("QL3_INVALID_ARGUMENT: a project id of projects is empty")
+    return checked

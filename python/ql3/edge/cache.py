@@ -88,7 +88,7 @@ class EdgeRevisionCache:
         self._callbacks: dict[tuple[str, str], list[ChangeCallback]] = {}
         self._lock = threading.RLock()
         self._staleness = store.contract_families()
-        self._staleness.update(max_staleness or {})
+        self._staleness.update(errors.check_staleness(max_staleness))
         self.messages = 0
         self.reloads = 0
         self.verifications = 0

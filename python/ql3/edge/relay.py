@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from ql3 import errors
 from ql3.edge.db import Row, utc_text
 from ql3.logs import backoff_delay, describe_error
 
@@ -111,7 +112,8 @@ class EdgeRelay:
         ``fn`` runs in the delivering thread and must be quick; an exception from it fails
         the batch, which is then delivered again later (to every subscriber: at least once).
         """
-        entry = (fn, None if projects is None else frozenset(projects))
+        wanted = errors.check_projects(projects)
+        entry = (fn, None if wanted is None else frozenset(wanted))
         self._subscribers.append(entry)
 
         def unsubscribe() -> None:

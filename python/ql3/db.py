@@ -47,13 +47,9 @@ class Timeouts:
     call_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("statement_ms", "lock_ms", "connect_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise errors.InvalidArgument(
-                    f"QL3_INVALID_ARGUMENT: {name} must be a whole number >= 0 "
-                    f"(0: PostgreSQL's no limit), not {value!r}"
-                )
+        errors.check_count("statement_ms", self.statement_ms, 0)  # 0: no limit, as in PostgreSQL
+        errors.check_count("lock_ms", self.lock_ms, 0)
+        errors.check_count("connect_s", self.connect_s, 1)  # libpq's 0 would wait for ever
         errors.check_seconds("tcp_user_timeout_s", self.tcp_user_timeout_s, zero=True)
         if self.call_s is not None and not 0 < self.call_s < math.inf:
             raise errors.InvalidArgument(

@@ -219,3 +219,18 @@ def check_projects(projects: object) -> list[str] | None:
         if not project:
             raise InvalidArgument("QL3_INVALID_ARGUMENT: a project id of projects is empty")
     return checked
+
+
+def check_count(name: str, value: object, low: int, high: int | None = None) -> int:
+    """A whole-number setting in low..high (a bool or a float is not one)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bounds = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {name} must be a whole number {bounds}, not {value!r}"
+        )
+    return value

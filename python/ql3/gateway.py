@@ -533,8 +533,7 @@ class ModelGateway:
         hooks: GatewayHooks | None = None,
         store_threads: int = 8,
     ) -> None:
-        if store_threads < 1:
-            raise ValueError("store_threads must be at least 1")
+        errors.check_count("store_threads", store_threads, 1)
         self._store = store
         # A coroutine store runs its calls as tasks; a blocking one in the store threads.
         self._async_store = inspect.iscoroutinefunction(store.admit_invocation)

@@ -121,6 +121,7 @@ class PgStore:
         timeouts: Timeouts | None = None,
         max_connections: int = 8,
     ) -> None:
+        errors.check_count("max_connections", max_connections, 1)
         self._call_limit = (timeouts or Timeouts()).call_limit()
         if isinstance(conninfo_or_pool, ConnectionPool):
             self.pool = conninfo_or_pool
@@ -139,6 +140,7 @@ class PgStore:
         database, refused), at once: a pool only retries in the background and times out
         saying it got no connection. For one-shot commands such as the CLI's.
         """
+        errors.check_count("max_connections", max_connections, 1)
         connect(conninfo, timeouts=timeouts).close()
         return cls(conninfo, timeouts=timeouts, max_connections=max_connections)
 

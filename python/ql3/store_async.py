@@ -41,6 +41,7 @@ class AsyncPgStore:
         timeouts: Timeouts | None = None,
         max_connections: int = 8,
     ) -> None:
+        errors.check_count("max_connections", max_connections, 1)
         self._call_limit = (timeouts or Timeouts()).call_limit()
         if isinstance(conninfo_or_pool, AsyncConnectionPool):
             self.pool = conninfo_or_pool

@@ -18,6 +18,10 @@ from ql3.db import Timeouts
 from ql3.edge import EdgeStore
 from ql3.edge.cache import EdgeRevisionCache
 from ql3.edge.relay import EdgeRelay
+from ql3.gateway import ModelGateway
+from ql3.providers import OpenAICompatibleProvider
+from ql3.store import PgStore
+from ql3.store_async import AsyncPgStore
 
 BAD_SECONDS: list[Any] = [math.nan, math.inf, -1.0, 0, "5", True, None]
 
@@ -64,9 +68,45 @@ def test_projects_are_a_list_of_ids_never_a_string(tmp_path: Path, projects: Any
 
 @pytest.mark.parametrize(
     "changes",
-    [{"statement_ms": -1}, {"lock_ms": 1.5}, {"connect_s": "5"}, {"statement_ms": True},
+    [{"statement_ms": -1}, {"lock_ms": 1.5}, {"connect_s": "5"}, {"connect_s": 0},
+     {"statement_ms": True},
      {"tcp_user_timeout_s": math.nan}, {"tcp_user_timeout_s": -1.0}, {"call_s": math.nan}],
 )  # fmt: skip
 def test_store_timeouts_are_checked_when_made(changes: dict[str, Any]) -> None:
     with pytest.raises(errors.InvalidArgument, match=next(iter(changes))):
         Timeouts(**changes)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, math.nan, "4", None, True])
+def test_store_pool_sizes_are_whole_numbers_of_at_least_one(value: Any) -> None:
+    for store in (PgStore, AsyncPgStore):
+        with pytest.raises(errors.InvalidArgument, match="max_connections"):
+            store("host=nowhere", max_connections=value)
+    with pytest.raises(errors.InvalidArgument, match="store_threads"):
+        ModelGateway(PgStore.__new__(PgStore), None, None, store_threads=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"batch": 0}, {"batch": 10001}, {"batch": "5"}, {"poll_interval": 0},
+     {"poll_interval": math.nan}, {"heartbeat_interval": math.inf}, {"backoff_initial": -1},
+     {"backoff_max": math.nan}, {"redis_timeout": 0}, {"channel_prefix": ""}],
+)  # fmt: skip
+def test_edge_relay_settings(tmp_path: Path, changes: dict[str, Any]) -> None:
+    with (
+        EdgeStore(tmp_path / "edge.db") as store,
+        pytest.raises(errors.InvalidArgument, match=next(iter(changes))),
+    ):
+        EdgeRelay(store, **changes)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "5000"])
+def test_edge_busy_timeout_is_whole_milliseconds(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(errors.InvalidArgument, match="busy_timeout_ms"):
+        EdgeStore(tmp_path / "edge.db", busy_timeout_ms=value)
+
+
+@pytest.mark.parametrize("value", [0, math.nan, math.inf, "5"])
+def test_provider_connect_timeout(value: Any) -> None:
+    with pytest.raises(errors.InvalidArgument, match="connect_timeout"):
+        OpenAICompatibleProvider(None, connect_timeout=value)  # type: ignore[arg-type]

@@ -73,8 +73,21 @@ class EdgeRelay:
     ) -> None:
         from ql3 import relay as pg_relay
 
-        if not 1 <= batch <= 10000:
-            raise ValueError("batch must be 1..10000")
+        errors.check_count("batch", batch, 1, 10000)
+        for name, seconds in (
+            ("poll_interval", poll_interval),
+            ("heartbeat_interval", heartbeat_interval),
+            ("backoff_initial", backoff_initial),
+            ("backoff_max", backoff_max),
+            ("redis_timeout", redis_timeout),
+        ):
+            errors.check_seconds(name, seconds)
+        if channel_prefix is not None and (
+            not isinstance(channel_prefix, str) or not channel_prefix
+        ):
+            raise errors.InvalidArgument(
+                "QL3_INVALID_ARGUMENT: channel_prefix must be a non-empty string (or None)"
+            )
         self.store = store
         self.redis_url = os.environ.get("QL3_REDIS_URL") if redis_url is None else redis_url
         self.channel_prefix = channel_prefix or pg_relay.DEFAULT_CHANNEL_PREFIX

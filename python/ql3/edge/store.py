@@ -52,7 +52,7 @@ class EdgeStore:
         self.path = str(Path(path))
         self.journal_mode: JournalMode = journal_mode
         self.ai = ai
-        self.busy_timeout_ms = busy_timeout_ms
+        self.busy_timeout_ms = errors.check_count("busy_timeout_ms", busy_timeout_ms, 0)
         self._db = Database(
             self.path, journal_mode=journal_mode, busy_timeout_ms=busy_timeout_ms, clock=clock
         )

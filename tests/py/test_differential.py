@@ -12,6 +12,7 @@ digests byte for byte, and then the same step state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -25,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from fix_servers import create_database, drop_database
 from fix_stores import make_edge_store, pin_clock
 from ql3 import errors
 from ql3.cache import RevisionCache
@@ -32,6 +34,7 @@ from ql3.edge import EdgeStore
 from ql3.edge.cache import EdgeRevisionCache
 from ql3.invocations import ADMISSION_SCHEMA, COMPLETION_COMMAND_SCHEMA, RESOLUTION_COMMAND_SCHEMA
 from ql3.store import PgStore
+from ql3.store_async import AsyncPgStore
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 FAMILY = "policy_routing"
@@ -255,11 +258,12 @@ def _without_digests(value: Any) -> Any:
 
 
 class Pair:
-    """A PgStore and an EdgeStore driven in lockstep, with fresh ids per example."""
+    """A PgStore and another store (``pair`` says which) driven in lockstep, with fresh
+    ids per example."""
 
-    def __init__(self, pg: PgStore, edge: EdgeStore) -> None:
+    def __init__(self, pg: PgStore, other: Any) -> None:
         self.pg = pg
-        self.edge = edge
+        self.other = other
         self.counter = itertools.count(1)
         self.revisions: dict[int, str] = {}
 
@@ -268,7 +272,7 @@ class Pair:
         revision of the policy contract. ``digests=False``: compare without digests (of
         records that chain to one holding a revision id)."""
         got = []
-        for store in (self.pg, self.edge):
+        for store in (self.pg, self.other):
             revision = self.revisions.get(id(store))
             status, value = outcome(functools.partial(call, store))
             if isinstance(value, dict) and "event_id" in value:
@@ -288,7 +292,7 @@ class Pair:
         n = next(self.counter)
         run_id = f"cccccccc-0000-0000-0000-{n:012d}"
         step_id = f"dddddddd-0000-0000-0000-{n:012d}"
-        for store in (self.pg, self.edge):
+        for store in (self.pg, self.other):
             store.create_run("proj", "trace-1", run_id)
             store.add_step_run(run_id, "model", step_id)
         return run_id, step_id, n
@@ -297,7 +301,7 @@ class Pair:
         """The same step state on both (core's create_run and add_step_run stamp rows with
         now(), which the pinned receipt clock does not cover)."""
         states = []
-        for store in (self.pg, self.edge):
+        for store in (self.pg, self.other):
             state = store.step_run(step_id)
             assert state is not None
             del state["created_at"], state["updated_at"]
@@ -305,19 +309,58 @@ class Pair:
         assert states[1] == states[0]
 
 
-@pytest.fixture
-def pair(db_dsn: str, tmp_path: Path) -> Iterator[Pair]:
-    with PgStore(db_dsn) as pg, make_edge_store("edge-wal", tmp_path) as edge:
-        both = Pair(pg, edge)
-        for store in (pg, edge):
-            pin_clock(store, T0)
+class SyncAsyncStore:
+    """``AsyncPgStore`` driven through the store interface of the tests: its own calls run
+    to completion on one event loop; what it does not offer (contracts, reads) goes to a
+    ``PgStore`` on the same database."""
+
+    ASYNC = frozenset(
+        {"create_run", "add_step_run", "admit_invocation", "complete_invocation",
+         "resolve_invocation", "recover_expired"}
+    )  # fmt: skip
+
+    def __init__(self, dsn: str, runner: asyncio.Runner) -> None:
+        self.sync = PgStore(dsn)
+        self.store = AsyncPgStore(dsn)
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.ASYNC:
+            return getattr(self.sync, name)
+        method = getattr(self.store, name)
+        return lambda *args: self.runner.run(method(*args))
+
+    def close(self) -> None:
+        self.runner.run(self.store.close())
+        self.sync.close()
+
+
+@pytest.fixture(params=["edge-wal", "asyncio"])
+def pair(
+    request: pytest.FixtureRequest, db_dsn: str, base_dsn: str, migrated_template: str,
+    tmp_path: Path,
+) -> Iterator[Pair]:  # fmt: skip
+    """PgStore against the SQLite shim, or against AsyncPgStore on a second database (the
+    asyncio store shares the SQL but not the Python around it)."""
+    with contextlib.ExitStack() as stack:
+        pg = stack.enter_context(PgStore(db_dsn))
+        if request.param == "asyncio":
+            other_dsn = create_database(base_dsn, template=migrated_template, prefix="db")
+            stack.callback(drop_database, base_dsn, other_dsn)
+            runner = stack.enter_context(asyncio.Runner())
+            other: Any = SyncAsyncStore(other_dsn, runner)
+            stack.callback(other.close)
+            stack.callback(pin_clock, other.sync, None)
+        else:
+            other = stack.enter_context(make_edge_store("edge-wal", tmp_path))
+        stack.callback(pin_clock, pg, None)
+        both = Pair(pg, other)
+        for store in (pg, other):
+            pin_clock(store.sync if isinstance(store, SyncAsyncStore) else store, T0)
             revision = store.put_revision("proj", FAMILY, "router", {"r": 1}, "ops")["revision_id"]
             store.activate_revision("proj", FAMILY, "router", revision, "ops")
             both.revisions[id(store)] = revision
-        try:
-            yield both
-        finally:
-            pin_clock(pg, None)
+        yield both
 
 
 def admission(run_id: str, step_id: str, n: int, policy: dict[str, Any] | None) -> dict[str, Any]:
@@ -416,6 +459,8 @@ def test_resolutions(pair: Pair, data: st.DataObject) -> None:
     keep=st.lists(st.booleans(), min_size=5, max_size=5),
 )
 def test_contract_calls(pair: Pair, args: list[Any], keep: list[bool]) -> None:
+    if not isinstance(pair.other, EdgeStore):
+        pytest.skip("AsyncPgStore has no contract calls")
     n = next(pair.counter)
     valid = ["proj", FAMILY, f"c-{n}", {"n": n}, "ops"]
     project, family, contract, body, actor = (
@@ -550,6 +595,8 @@ def test_both_revision_caches_answer_every_key_alike(
 ) -> None:
     """``RevisionCache`` (PostgreSQL, Redis) and ``EdgeRevisionCache`` (SQLite) give the
     same revision or the same error code for each key, bad ones included."""
+    if not isinstance(pair.other, EdgeStore):
+        pytest.skip("a cache of SQLite against one of PostgreSQL")
 
     async def answers(cache: Any) -> list[Any]:
         got: list[Any] = []
@@ -566,7 +613,7 @@ def test_both_revision_caches_answer_every_key_alike(
     async def both() -> tuple[list[Any], list[Any]]:
         async with RevisionCache(db_dsn, redis_url) as cache:
             on_pg = await answers(cache)
-        edge = EdgeRevisionCache(pair.edge, None)
+        edge = EdgeRevisionCache(pair.other, None)
         try:
             return on_pg, await answers(edge)
         finally:

@@ -58,7 +58,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from ql3 import canonical, errors
+from ql3 import arguments, canonical, errors
 from ql3.db import CALL_MARGIN_S, translate
 from ql3.db_guard import bounded_async
 from ql3.logs import backoff_delay
@@ -231,13 +231,13 @@ class RevisionCache:
             ("redis_timeout", redis_timeout),
             ("db_timeout", db_timeout),
         ):
-            errors.check_seconds(name, seconds)
-        overrides = errors.check_staleness(max_staleness)
+            arguments.check_seconds(name, seconds)
+        overrides = arguments.check_staleness(max_staleness)
         if not isinstance(channel_prefix, str) or not channel_prefix:
             raise errors.InvalidArgument(
                 "QL3_INVALID_ARGUMENT: channel_prefix must be a non-empty string"
             )
-        projects = errors.check_projects(projects)
+        projects = arguments.check_projects(projects)
         if isinstance(conninfo_or_pool, str):
             self._pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
                 conninfo_or_pool,
@@ -368,7 +368,7 @@ class RevisionCache:
         except TypeError:  # unhashable: not a key at all, as check_contract_key says
             known = False
         if not known:
-            errors.check_contract_key(*key)
+            arguments.check_contract_key(*key)
             self._known.add(key)
         since = time.monotonic()
         for _ in range(5):

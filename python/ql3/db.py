@@ -15,7 +15,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ql3 import errors
+from ql3 import arguments, errors
 
 # SQLSTATEs that mean "not now, try again": the database did not answer (connection
 # exceptions, operator intervention such as a shutdown, query canceled by the statement
@@ -47,10 +47,10 @@ class Timeouts:
     call_s: float | None = None
 
     def __post_init__(self) -> None:
-        errors.check_count("statement_ms", self.statement_ms, 0)  # 0: no limit, as in PostgreSQL
-        errors.check_count("lock_ms", self.lock_ms, 0)
-        errors.check_count("connect_s", self.connect_s, 1)  # libpq's 0 would wait for ever
-        errors.check_seconds("tcp_user_timeout_s", self.tcp_user_timeout_s, zero=True)
+        arguments.check_count("statement_ms", self.statement_ms, 0)  # 0: no limit, as in PostgreSQL
+        arguments.check_count("lock_ms", self.lock_ms, 0)
+        arguments.check_count("connect_s", self.connect_s, 1)  # libpq's 0 would wait for ever
+        arguments.check_seconds("tcp_user_timeout_s", self.tcp_user_timeout_s, zero=True)
         if self.call_s is not None and not 0 < self.call_s < math.inf:
             raise errors.InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: call_s must be a positive number of seconds, "

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Literal, Protocol
 
-from ql3 import canonical, errors
+from ql3 import arguments, canonical, errors
 from ql3.errors import Ql3Error
 from ql3.invocations import (
     OUTCOME_UNKNOWN,
@@ -533,7 +533,7 @@ class ModelGateway:
         hooks: GatewayHooks | None = None,
         store_threads: int = 8,
     ) -> None:
-        errors.check_count("store_threads", store_threads, 1)
+        arguments.check_count("store_threads", store_threads, 1)
         self._store = store
         # A coroutine store runs its calls as tasks; a blocking one in the store threads.
         self._async_store = inspect.iscoroutinefunction(store.admit_invocation)

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ql3 import errors
+from ql3 import arguments, errors
 from ql3.invocations import Usage, output_digest
 
 TOPOLOGY_PROJECT: Final = "__platform__"
@@ -364,7 +364,7 @@ class OpenAICompatibleProvider:
         trust_env: bool = False,
     ) -> None:
         self._source = topology
-        self._connect_timeout = errors.check_seconds("connect_timeout", connect_timeout)
+        self._connect_timeout = arguments.check_seconds("connect_timeout", connect_timeout)
         self._limits = limits or httpx.Limits(max_connections=100, max_keepalive_connections=20)
         self._transport_factory = transport_factory
         self._trust_env = trust_env

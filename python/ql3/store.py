@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from ql3 import errors
+from ql3 import arguments, errors
 from ql3.db import Timeouts, connect, make_pool, translated
 from ql3.db_guard import bounded, checked_out
 from ql3.invocations import as_utc, recovery_arguments
@@ -121,7 +121,7 @@ class PgStore:
         timeouts: Timeouts | None = None,
         max_connections: int = 8,
     ) -> None:
-        errors.check_count("max_connections", max_connections, 1)
+        arguments.check_count("max_connections", max_connections, 1)
         self._call_limit = (timeouts or Timeouts()).call_limit()
         if isinstance(conninfo_or_pool, ConnectionPool):
             self.pool = conninfo_or_pool
@@ -140,7 +140,7 @@ class PgStore:
         database, refused), at once: a pool only retries in the background and times out
         saying it got no connection. For one-shot commands such as the CLI's.
         """
-        errors.check_count("max_connections", max_connections, 1)
+        arguments.check_count("max_connections", max_connections, 1)
         connect(conninfo, timeouts=timeouts).close()
         return cls(conninfo, timeouts=timeouts, max_connections=max_connections)
 
@@ -194,7 +194,7 @@ class PgStore:
         self, project_id: str, contract_family: str, contract_id: str, body: Any, actor: str
     ) -> Row:
         """Stores an immutable revision, or returns the one with the same body."""
-        errors.check_text_args(project_id, contract_family, contract_id, actor)
+        arguments.check_text_args(project_id, contract_family, contract_id, actor)
         row = self._row(
             "SELECT * FROM ql3.put_revision(%s, %s, %s, %s, %s)",
             (project_id, contract_family, contract_id, Jsonb(body), actor),
@@ -213,8 +213,8 @@ class PgStore:
         expected_active_revision_id: str | None = None,
     ) -> Row | None:
         """Makes the revision active; the outbox event, or None when it already was."""
-        errors.check_text_args(project_id, contract_family, contract_id, actor)
-        errors.check_uuid_args(revision_id, expected_active_revision_id)
+        arguments.check_text_args(project_id, contract_family, contract_id, actor)
+        arguments.check_uuid_args(revision_id, expected_active_revision_id)
         return self._outbox_write(
             "SELECT * FROM ql3.activate_revision(%s, %s, %s, %s::uuid, %s, %s::uuid)",
             (project_id, contract_family, contract_id, revision_id, actor,
@@ -223,8 +223,8 @@ class PgStore:
 
     def revoke_revision(self, revision_id: str, actor: str, reason: str) -> Row | None:
         """Revokes for good; the outbox event, or None when it was already revoked."""
-        errors.check_text_args(actor, reason)
-        errors.check_uuid_args(revision_id)
+        arguments.check_text_args(actor, reason)
+        arguments.check_uuid_args(revision_id)
         return self._outbox_write(
             "SELECT * FROM ql3.revoke_revision(%s::uuid, %s, %s)", (revision_id, actor, reason)
         )
@@ -257,7 +257,7 @@ class PgStore:
         self, project_id: str, contract_family: str, contract_id: str
     ) -> Row | None:
         """The active revision with its pointer_version, or None."""
-        errors.check_text_args(project_id, contract_family, contract_id)
+        arguments.check_text_args(project_id, contract_family, contract_id)
         return _plain(
             self._row(
                 "SELECT * FROM ql3.active_revision(%s, %s, %s)",
@@ -272,7 +272,7 @@ class PgStore:
 
     def revision(self, revision_id: str) -> Row | None:
         """One stored revision by id (active or not), or None."""
-        errors.check_uuid_args(revision_id)
+        arguments.check_uuid_args(revision_id)
         return _plain(
             self._row(
                 "SELECT * FROM ql3.contract_revisions WHERE revision_id = %s::uuid", (revision_id,)
@@ -289,26 +289,26 @@ class PgStore:
 
     def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
         """Creates a run (idempotent on the same run_id and content); its run_id."""
-        errors.check_text_args(project_id, trace_id)
-        errors.check_uuid_args(run_id)
+        arguments.check_text_args(project_id, trace_id)
+        arguments.check_uuid_args(run_id)
         return str(self._value(CREATE_RUN_SQL, (project_id, trace_id, run_id)))
 
     def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
         """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
-        errors.check_text_args(kind)
-        errors.check_uuid_args(run_id, step_run_id)
+        arguments.check_text_args(kind)
+        arguments.check_uuid_args(run_id, step_run_id)
         return str(self._value(ADD_STEP_RUN_SQL, (run_id, kind, step_run_id)))
 
     def step_run(self, step_run_id: str) -> Row | None:
         """The step row as it is now, or None."""
-        errors.check_uuid_args(step_run_id)
+        arguments.check_uuid_args(step_run_id)
         return _plain(
             self._row("SELECT * FROM ql3.step_runs WHERE step_run_id = %s::uuid", (step_run_id,))
         )
 
     def run(self, run_id: str) -> Row | None:
         """The run row as it is now, or None."""
-        errors.check_uuid_args(run_id)
+        arguments.check_uuid_args(run_id)
         return _plain(self._row("SELECT * FROM ql3.runs WHERE run_id = %s::uuid", (run_id,)))
 
     # -- model invocations (stream ql3_ai) ------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from ql3 import errors
+from ql3 import arguments
 from ql3.db import Timeouts, make_async_pool, translated
 from ql3.db_guard import bounded_async, checked_out_async
 from ql3.invocations import recovery_arguments
@@ -41,7 +41,7 @@ class AsyncPgStore:
         timeouts: Timeouts | None = None,
         max_connections: int = 8,
     ) -> None:
-        errors.check_count("max_connections", max_connections, 1)
+        arguments.check_count("max_connections", max_connections, 1)
         self._call_limit = (timeouts or Timeouts()).call_limit()
         if isinstance(conninfo_or_pool, AsyncConnectionPool):
             self.pool = conninfo_or_pool
@@ -92,14 +92,14 @@ class AsyncPgStore:
 
     async def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
         """Creates a run (idempotent on the same run_id and content); its run_id."""
-        errors.check_text_args(project_id, trace_id)
-        errors.check_uuid_args(run_id)
+        arguments.check_text_args(project_id, trace_id)
+        arguments.check_uuid_args(run_id)
         return str(await self._value(CREATE_RUN_SQL, (project_id, trace_id, run_id)))
 
     async def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
         """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
-        errors.check_text_args(kind)
-        errors.check_uuid_args(run_id, step_run_id)
+        arguments.check_text_args(kind)
+        arguments.check_uuid_args(run_id, step_run_id)
         return str(await self._value(ADD_STEP_RUN_SQL, (run_id, kind, step_run_id)))
 
     # -- model invocations (stream ql3_ai) ------------------------------------------------

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ql3 import canonical, errors
+from ql3 import arguments, canonical, errors
 from ql3.logs import describe_error
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class EdgeRevisionCache:
         self._callbacks: dict[tuple[str, str], list[ChangeCallback]] = {}
         self._lock = threading.RLock()
         self._staleness = store.contract_families()
-        self._staleness.update(errors.check_staleness(max_staleness))
+        self._staleness.update(arguments.check_staleness(max_staleness))
         self.messages = 0
         self.reloads = 0
         self.verifications = 0
@@ -135,7 +135,7 @@ class EdgeRevisionCache:
         ``BodyHashMismatch`` for a body that does not match its hash and ``Unavailable``
         when the store cannot be read.
         """
-        errors.check_contract_key(project_id, contract_family, contract_id)
+        arguments.check_contract_key(project_id, contract_family, contract_id)
         key = (project_id, contract_family, contract_id)
         with self._lock:
             entry = self._entries.get(key)

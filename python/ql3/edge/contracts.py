@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from ql3 import canonical, errors
+from ql3.arguments import check_text_args
 from ql3.edge.checks import check_identifier, checked_digest, invalid, json_type
 from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain, uuid_v7
-from ql3.errors import check_text_args
 
 BODY_DOMAIN = canonical.BODY_DOMAIN
 
@@ -72,7 +72,6 @@ def _revision_row(row: sqlite3.Row | None) -> Row:
 def put_revision(
     tx: Tx, project_id: object, family: object, contract_id: object, body: Any, actor: object
 ) -> Row:
-    check_text_args(project_id, family, contract_id, actor)
     project = check_identifier("project_id", project_id)
     family_name = check_family(tx, family)
     contract = check_identifier("contract_id", contract_id)

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from ql3 import canonical, errors
+from ql3.arguments import check_text_args
 from ql3.edge.checks import (
     check_currency,
     check_identifier,
@@ -27,7 +28,6 @@ from ql3.edge.checks import (
     invalid,
 )
 from ql3.edge.db import Row, Tx, utc_text
-from ql3.errors import check_text_args
 from ql3.invocations import (
     ADMISSION_SCHEMA,
     COMPLETION_COMMAND_SCHEMA,

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ql3 import errors
+from ql3 import arguments, errors
 from ql3.edge.db import Row, utc_text
 from ql3.logs import backoff_delay, describe_error
 
@@ -73,7 +73,7 @@ class EdgeRelay:
     ) -> None:
         from ql3 import relay as pg_relay
 
-        errors.check_count("batch", batch, 1, 10000)
+        arguments.check_count("batch", batch, 1, 10000)
         for name, seconds in (
             ("poll_interval", poll_interval),
             ("heartbeat_interval", heartbeat_interval),
@@ -81,7 +81,7 @@ class EdgeRelay:
             ("backoff_max", backoff_max),
             ("redis_timeout", redis_timeout),
         ):
-            errors.check_seconds(name, seconds)
+            arguments.check_seconds(name, seconds)
         if channel_prefix is not None and (
             not isinstance(channel_prefix, str) or not channel_prefix
         ):
@@ -125,7 +125,7 @@ class EdgeRelay:
         ``fn`` runs in the delivering thread and must be quick; an exception from it fails
         the batch, which is then delivered again later (to every subscriber: at least once).
         """
-        wanted = errors.check_projects(projects)
+        wanted = arguments.check_projects(projects)
         entry = (fn, None if wanted is None else frozenset(wanted))
         self._subscribers.append(entry)
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ql3 import errors
+from ql3 import arguments, errors
 from ql3.edge import contracts, invocations, runs, schema
 from ql3.edge.db import Clock, CrashHook, Database, JournalMode, Row, parse_uuid, plain
 from ql3.migrate import Applied
@@ -52,7 +52,7 @@ class EdgeStore:
         self.path = str(Path(path))
         self.journal_mode: JournalMode = journal_mode
         self.ai = ai
-        self.busy_timeout_ms = errors.check_count("busy_timeout_ms", busy_timeout_ms, 0)
+        self.busy_timeout_ms = arguments.check_count("busy_timeout_ms", busy_timeout_ms, 0)
         self._db = Database(
             self.path, journal_mode=journal_mode, busy_timeout_ms=busy_timeout_ms, clock=clock
         )
@@ -125,6 +125,7 @@ class EdgeStore:
         self, project_id: str, contract_family: str, contract_id: str, body: Any, actor: str
     ) -> Row:
         """Stores an immutable revision, or returns the one with the same body."""
+        arguments.check_text_args(project_id, contract_family, contract_id, actor)
         with self._db.write("put_revision") as tx:
             return contracts.put_revision(tx, project_id, contract_family, contract_id, body, actor)
 
@@ -138,7 +139,7 @@ class EdgeStore:
         expected_active_revision_id: str | None = None,
     ) -> Row | None:
         """Makes the revision active; the outbox event, or None when it already was."""
-        errors.check_text_args(project_id, contract_family, contract_id, actor)
+        arguments.check_text_args(project_id, contract_family, contract_id, actor)
         revision = parse_uuid(revision_id)
         expected = parse_uuid(expected_active_revision_id)
         with self._db.write("activate_revision") as tx:
@@ -148,7 +149,7 @@ class EdgeStore:
 
     def revoke_revision(self, revision_id: str, actor: str, reason: str) -> Row | None:
         """Revokes for good; the outbox event, or None when it was already revoked."""
-        errors.check_text_args(actor, reason)
+        arguments.check_text_args(actor, reason)
         revision = parse_uuid(revision_id)
         with self._db.write("revoke_revision") as tx:
             return contracts.revoke_revision(tx, revision, actor, reason)
@@ -225,14 +226,14 @@ class EdgeStore:
 
     def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:
         """Creates a run (idempotent on the same run_id and content); its run_id."""
-        errors.check_text_args(project_id, trace_id)
+        arguments.check_text_args(project_id, trace_id)
         run = parse_uuid(run_id)
         with self._db.write("create_run") as tx:
             return runs.create_run(tx, project_id, trace_id, run)
 
     def add_step_run(self, run_id: str, kind: str, step_run_id: str | None = None) -> str:
         """Adds a ready step (version 1, attempt_count 0) to a run; its step_run_id."""
-        errors.check_text_args(kind)
+        arguments.check_text_args(kind)
         run, step = parse_uuid(run_id), parse_uuid(step_run_id)
         with self._db.write("add_step_run") as tx:
             return runs.add_step_run(tx, run, kind, step)

@@ -1,0 +1,130 @@
+"""Checks of arguments given in code, shared by both stores, the revision caches and the
+relays: each refuses what it cannot take as ``QL3_INVALID_ARGUMENT`` naming it, before
+anything is sent or written, so that a mistake fails where it is made (D40, D41)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+
+from ql3.errors import InvalidArgument
+
+
+def check_text_args(*values: object) -> None:
+    """Refuses text arguments PostgreSQL would not take as text: each is a ``str`` or None,
+    and none holds U+0000 (PostgreSQL text cannot). Both stores call it first, as
+    PostgreSQL resolves argument types before a function runs. (psycopg would send an
+    empty list as the untyped literal ``'{}'``, which PostgreSQL then takes as text.)"""
+    for value in values:
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: a text argument must be text, not {type(value).__name__}"
+            )
+        if "\x00" in value:
+            raise InvalidArgument("QL3_INVALID_ARGUMENT: a text argument contains NUL (U+0000)")
+
+
+def check_uuid_args(*values: object) -> None:
+    """Refuses uuid arguments that are neither text, a ``uuid.UUID`` nor None. (psycopg
+    would send a list of one string as the array literal ``'{...}'``, which is also a
+    spelling PostgreSQL accepts for a uuid.) The text itself is checked by the cast."""
+    for value in values:
+        if value is not None and not isinstance(value, str | uuid.UUID):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: a uuid argument must be text, not {type(value).__name__}"
+            )
+
+
+def check_contract_key(project_id: object, contract_family: object, contract_id: object) -> None:
+    """Refuses a contract key a revision cache could not look up: each part must be text
+    that PostgreSQL can hold (no U+0000, no lone surrogate)."""
+    parts = (project_id, contract_family, contract_id)
+    for part in parts:
+        if not isinstance(part, str):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: a contract key part must be text, not {type(part).__name__}"
+            )
+    check_text_args(*parts)
+    try:
+        "".join(parts).encode()  # type: ignore[arg-type]
+    except UnicodeEncodeError:
+        raise InvalidArgument(
+            "QL3_INVALID_ARGUMENT: a contract key part is not valid Unicode (a lone surrogate)"
+        ) from None
+
+
+def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
+    """A setting in seconds: a finite real number above 0 (or at least 0 with ``zero``).
+    NaN would compare false everywhere, so a NaN timeout could silently never expire."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        bound = "at least 0" if zero else "above 0"
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {name} must be a finite number of seconds {bound}, "
+            f"not {value!r}"
+        )
+    return float(value)
+
+
+def check_staleness(overrides: object) -> dict[str, float]:
+    """``max_staleness`` of a revision cache: family name -> seconds (0 = verify every use)."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: max_staleness must map families to seconds, "
+            f"not {type(overrides).__name__}"
+        )
+    checked: dict[str, float] = {}
+    for family, seconds in overrides.items():
+        if not isinstance(family, str):
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: max_staleness keys are family names, not {family!r}"
+            )
+        checked[family] = check_seconds(f"max_staleness[{family!r}]", seconds, zero=True)
+    return checked
+
+
+def check_projects(projects: object) -> list[str] | None:
+    """A subscription's project ids: None (every project) or an iterable of non-empty
+    ids. A string is refused: its characters would be taken for the projects, and the
+    subscriber would never hear the project it named."""
+    if projects is None:
+        return None
+    if isinstance(projects, str | bytes) or not isinstance(projects, Iterable):
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: projects must be a list of project ids, "
+            f"not {type(projects).__name__}"
+        )
+    checked = list(projects)
+    for project in checked:
+        try:
+            check_contract_key(project, "", "")
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{exc.message} (a project id of projects)") from None
+        if not project:
+            raise InvalidArgument("QL3_INVALID_ARGUMENT: a project id of projects is empty")
+    return checked
+
+
+def check_count(name: str, value: object, low: int, high: int | None = None) -> int:
+    """A whole-number setting in low..high (a bool or a float is not one)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bounds = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {name} must be a whole number {bounds}, not {value!r}"
+        )
+    return value

@@ -41,37 +41,48 @@ def check_uuid_args(*values: object) -> None:
 def check_contract_key(project_id: object, contract_family: object, contract_id: object) -> None:
     """Refuses a contract key a revision cache could not look up: each part must be text
     that PostgreSQL can hold (no U+0000, no lone surrogate)."""
-    parts = (project_id, contract_family, contract_id)
-    for part in parts:
+    for part in (project_id, contract_family, contract_id):
         if not isinstance(part, str):
             raise InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: a contract key part must be text, not {type(part).__name__}"
             )
-    check_text_args(*parts)
-    try:
-        "".join(parts).encode()  # type: ignore[arg-type]
-    except UnicodeEncodeError:
-        raise InvalidArgument(
-            "QL3_INVALID_ARGUMENT: a contract key part is not valid Unicode (a lone surrogate)"
-        ) from None
+        check_text_args(part)
+        try:
+            part.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument(
+                "QL3_INVALID_ARGUMENT: a contract key part is not valid Unicode (a lone surrogate)"
+            ) from None
 
 
-def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
-    """A setting in seconds: a finite real number above 0 (or at least 0 with ``zero``).
-    NaN would compare false everywhere, so a NaN timeout could silently never expire."""
+def check_seconds(
+    name: str, value: object, *, zero: bool = False, most: float | None = None
+) -> float:
+    """A setting in seconds: a finite real number above 0 (or at least 0 with ``zero``),
+    and at most ``most`` when given. NaN would compare false everywhere, so a NaN timeout
+    could silently never expire (or spin a loop); infinity overflows waits."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
         or not math.isfinite(value)
         or value < 0
         or (value == 0 and not zero)
+        or (most is not None and value > most)
     ):
-        bound = "at least 0" if zero else "above 0"
+        bounds = (">= 0" if zero else "> 0") + ("" if most is None else f" and at most {most:g}")
         raise InvalidArgument(
-            f"QL3_INVALID_ARGUMENT: {name} must be a finite number of seconds {bound}, "
-            f"not {value!r}"
+            f"QL3_INVALID_ARGUMENT: {name} must be a number of seconds {bounds}, not {value!r}"
         )
     return float(value)
+
+
+def check_channel_prefix(value: object) -> str:
+    """The prefix of the Redis channels: a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: channel_prefix must be a non-empty string, not {value!r}"
+        )
+    return value
 
 
 def check_staleness(overrides: object) -> dict[str, float]:

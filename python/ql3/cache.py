@@ -233,10 +233,7 @@ class RevisionCache:
         ):
             arguments.check_seconds(name, seconds)
         overrides = arguments.check_staleness(max_staleness)
-        if not isinstance(channel_prefix, str) or not channel_prefix:
-            raise errors.InvalidArgument(
-                "QL3_INVALID_ARGUMENT: channel_prefix must be a non-empty string"
-            )
+        arguments.check_channel_prefix(channel_prefix)
         projects = arguments.check_projects(projects)
         if isinstance(conninfo_or_pool, str):
             self._pool: AsyncConnectionPool[Any] = AsyncConnectionPool(

@@ -4,7 +4,6 @@ place where psycopg errors become ql3 errors (upper layers never import psycopg)
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 from collections.abc import Iterator
@@ -51,11 +50,8 @@ class Timeouts:
         arguments.check_count("lock_ms", self.lock_ms, 0)
         arguments.check_count("connect_s", self.connect_s, 1)  # libpq's 0 would wait for ever
         arguments.check_seconds("tcp_user_timeout_s", self.tcp_user_timeout_s, zero=True)
-        if self.call_s is not None and not 0 < self.call_s < math.inf:
-            raise errors.InvalidArgument(
-                f"QL3_INVALID_ARGUMENT: call_s must be a positive number of seconds, "
-                f"not {self.call_s}"
-            )
+        if self.call_s is not None:
+            arguments.check_seconds("call_s", self.call_s)
 
     def options(self) -> str:
         return f"-c statement_timeout={self.statement_ms} -c lock_timeout={self.lock_ms}"

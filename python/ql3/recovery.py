@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import threading
@@ -38,7 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ql3 import errors
+from ql3 import arguments, errors
 from ql3.cli import print_json
 from ql3.db import Timeouts, dsn_from_env
 from ql3.http_status import StatusServer, serve_status
@@ -85,10 +84,18 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         recovery_arguments(self.limit, self.grace_seconds)
-        for name in ("interval", "backoff_initial", "backoff_max", "statement_timeout"):
-            _check_seconds(name, getattr(self, name), positive=True)
-        _check_seconds("health_margin", self.health_margin, positive=False)
-        _check_seconds("stop_grace", self.stop_grace, positive=True)
+        # At most a day each: NaN would pass ``<= 0`` and spin the loop.
+        for name in (
+            "interval",
+            "backoff_initial",
+            "backoff_max",
+            "statement_timeout",
+            "stop_grace",
+        ):
+            arguments.check_seconds(name, getattr(self, name), most=MAX_WAIT_SECONDS)
+        arguments.check_seconds(
+            "health_margin", self.health_margin, zero=True, most=MAX_WAIT_SECONDS
+        )
         if self.metrics_port is not None and (
             not isinstance(self.metrics_port, int) or self.metrics_port > 65535
         ):
@@ -101,24 +108,6 @@ class RecoveryConfig:
     def stale_after(self) -> float:
         """Seconds without a committed batch after which the loop reports itself stale."""
         return self.interval + self.statement_timeout + self.health_margin
-
-
-def _check_seconds(name: str, value: object, *, positive: bool) -> None:
-    """A duration setting must be a finite number of seconds, at most a day (NaN would
-    pass ``<= 0`` and spin the loop; infinity overflows the waits)."""
-    ok = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > 0 if positive else value >= 0)
-        and value <= MAX_WAIT_SECONDS
-    )
-    if not ok:
-        low = "> 0" if positive else ">= 0"
-        raise errors.InvalidArgument(
-            f"QL3_INVALID_ARGUMENT: {name} must be a number of seconds {low} and at most "
-            f"{MAX_WAIT_SECONDS:g}, got {value!r}"
-        )
 
 
 class RecoveryMetrics:

@@ -34,6 +34,12 @@ def test_revision_cache_timeouts_are_finite_positive_seconds(name: str, value: A
         RevisionCache("host=nowhere", "redis://nowhere", **{name: value})
 
 
+@pytest.mark.parametrize("prefix", ["", None, 7])
+def test_revision_cache_channel_prefix_is_a_non_empty_string(prefix: Any) -> None:
+    with pytest.raises(errors.InvalidArgument, match="channel_prefix"):
+        RevisionCache("host=nowhere", "redis://nowhere", channel_prefix=prefix)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"policy_routing": math.nan}, {"policy_routing": -1}, {"policy_routing": "30"},

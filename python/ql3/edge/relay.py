@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ql3 import arguments, errors
+from ql3 import arguments
 from ql3.edge.db import Row, utc_text
 from ql3.logs import backoff_delay, describe_error
 
@@ -82,12 +82,8 @@ class EdgeRelay:
             ("redis_timeout", redis_timeout),
         ):
             arguments.check_seconds(name, seconds)
-        if channel_prefix is not None and (
-            not isinstance(channel_prefix, str) or not channel_prefix
-        ):
-            raise errors.InvalidArgument(
-                "QL3_INVALID_ARGUMENT: channel_prefix must be a non-empty string (or None)"
-            )
+        if channel_prefix is not None:
+            arguments.check_channel_prefix(channel_prefix)
         self.store = store
         self.redis_url = os.environ.get("QL3_REDIS_URL") if redis_url is None else redis_url
         self.channel_prefix = channel_prefix or pg_relay.DEFAULT_CHANNEL_PREFIX

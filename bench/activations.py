@@ -71,6 +71,38 @@ SELECT ql3.wake_relays();
 \\endpipeline
 """
 
+# The floor (diagnostic): the writes SPEC section 3 requires of an activation -- the pointer
+# UPDATE and the outbox INSERT, with their foreign keys, indexes and triggers -- as one plain
+# SQL statement in the driver's pipeline, without any of the function's checks (the
+# revision's contract, revocation, the expected revision, a no-op when already active).
+# What the schema alone costs; no activation function can be cheaper.
+FLOOR_SCRIPT = f"""\
+{FLIP}\\startpipeline
+BEGIN;
+WITH c AS (
+    SELECT contract_id, CASE WHEN :flip = 1 THEN rev2 ELSE rev1 END AS rev,
+           CASE WHEN :flip = 1 THEN rev1 ELSE rev2 END AS old
+    FROM bench_clients WHERE client_id = :client_id
+), u AS (
+    UPDATE ql3.active_revisions AS a
+    SET active_revision_id = c.rev, pointer_version = a.pointer_version + 1,
+        updated_at = now(), updated_by = '{ACTOR}'
+    FROM c
+    WHERE a.project_id = '{PROJECT}' AND a.contract_family = '{FAMILY}'
+      AND a.contract_id = c.contract_id
+    RETURNING a.contract_id, a.active_revision_id, a.pointer_version, c.old
+)
+INSERT INTO ql3.contract_outbox
+    (event_type, project_id, contract_family, contract_id, old_revision_id, new_revision_id,
+     pointer_version)
+SELECT 'revision_activated', '{PROJECT}', '{FAMILY}', u.contract_id, u.old,
+       u.active_revision_id, u.pointer_version
+FROM u;
+COMMIT;
+SELECT ql3.wake_relays();
+\\endpipeline
+"""
+
 
 def driver_dsn(dsn: str) -> str:
     """The DSN as PgStore's pool connects: outbox NOTIFYs deferred."""
@@ -159,6 +191,9 @@ def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list
             dsn, DRIVER_SCRIPT, clients, seconds, driver_dsn(dsn)
         ),
         "plain": lambda: _measured_activations(dsn, ACTIVATE_SCRIPT, clients, seconds),
+        "floor": lambda: _measured_activations(
+            dsn, FLOOR_SCRIPT, clients, seconds, driver_dsn(dsn)
+        ),
     }
     return alternating(sides, rounds)
 
@@ -176,7 +211,12 @@ def run(settings: Settings) -> Result:
         for clients in CLIENT_COUNTS:
             # Warm every path (plans, buffers) before the measured runs.
             pgbench(dsn, INSERT_SCRIPT, clients=clients, seconds=1)
-            for script, connect in ((DRIVER_SCRIPT, driver_dsn(dsn)), (ACTIVATE_SCRIPT, None)):
+            warmups = (
+                (DRIVER_SCRIPT, driver_dsn(dsn)),
+                (ACTIVATE_SCRIPT, None),
+                (FLOOR_SCRIPT, driver_dsn(dsn)),
+            )
+            for script, connect in warmups:
                 _reset_pointers(dsn)
                 _activations(dsn, script, clients, 1, connect=connect)
             runs = _rounds(dsn, clients, rounds, seconds)
@@ -189,6 +229,8 @@ def run(settings: Settings) -> Result:
                 ("driver", key, "activations_per_s", "(driver: NOTIFY after COMMIT)"),
                 ("plain", f"notify_in_transaction_{key}",
                  "activations_notify_in_transaction_per_s", ", NOTIFY in transaction (psql)"),
+                ("floor", f"floor_{key}", "floor_writes_per_s",
+                 ", floor: the required writes alone, plain SQL"),
             )  # fmt: skip
             for side, ratio_key, figure_key, label in sides:
                 per_round = [

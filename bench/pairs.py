@@ -14,15 +14,26 @@ The peer comparison (issue 4): DBOS Transact at the same client counts, a third 
 every round, one workflow with one step per model call, its system database on the same
 server (``bench.dbos_pairs``); reported as "not measured: <reason>" when DBOS cannot run
 here.
+
+The floor (diagnostic, no target): ``FLOOR_SCRIPT`` writes the rows of one pair by plain
+SQL, the admission and the completion each one autocommitted statement of data-modifying
+CTEs (so two transactions per pgbench transaction, as for a pair), with no function, no
+validation and no digest computation (ids and digests are md5 strings of the same length
+as the real sha256 ones, unique per step), on the same schema (every constraint, foreign
+key, index and trigger in place), as ``ql3_runtime``, on its own fresh batch of ready
+steps. The step's row lock is taken by the fenced UPDATE itself. It answers what the
+schema's required writing alone costs; once per run the floor is checked to change every
+table exactly as a pair does (rows, counters, bytes).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +70,167 @@ PAIR_SCRIPT = """\
 SELECT a.r ->> 'start_digest' AS sd
 FROM (SELECT ql3_ai.admit_invocation(bench_admission(:idx)) AS r) AS a \\gset
 SELECT ql3_ai.complete_invocation(bench_completion(:idx, :sd));
+"""
+
+# The rows of PAIR_SCRIPT, written directly: the step UPDATE is the fence (and the row
+# lock) of each transition, the run UPDATE allocates the event seq, and every other row is
+# built from the step's and the run's new counters as admit_invocation and
+# _write_completion build them (same columns, same record and payload keys and value
+# lengths; digests are two md5s = 64 hex digits, ids the same prefixes). A step that is not
+# in the expected state updates nothing, so nothing is written and 1 / count(*) fails the
+# transaction. No colon is followed by a letter in the text: pgbench would take it for a
+# variable (hence '": null', '": false' and the quoted ":" of the to_char format).
+FLOOR_SCRIPT = """\
+\\set idx :base + :client_id * 1000000 + :n
+\\set n :n + 1
+WITH v AS (
+    SELECT x.i, 'inv-' || x.i AS inv,
+           ('00000000-0000-4000-8000-' || x.i)::uuid AS run_id,
+           ('00000000-0000-4000-9000-' || x.i)::uuid AS step_run_id,
+           md5(x.i || 'admission') || md5(x.i || 'admission2') AS command_digest,
+           md5(x.i || 'start') || md5(x.i || 'start2') AS start_digest,
+           'mut_' || md5(x.i || 'mut-a') || md5(x.i || 'mut-a2') AS mutation_id,
+           'evt_' || md5(x.i || 'evt-a') || md5(x.i || 'evt-a2') AS event_id,
+           'ddp_' || md5(x.i || 'ddp-a') || md5(x.i || 'ddp-a2') AS dedupe_key,
+           to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24":"MI":"SS.US"Z"') AS at
+    FROM (SELECT CAST(:idx AS text) AS i) AS x
+), s AS (
+    UPDATE ql3.step_runs AS s
+    SET status = 'running', version = s.version + 1, attempt_count = s.attempt_count + 1,
+        current_invocation_id = v.inv, updated_at = now()
+    FROM v
+    WHERE s.step_run_id = v.step_run_id AND s.status = 'ready' AND s.version = 1
+    RETURNING s.version, s.attempt_count
+), r AS (
+    UPDATE ql3.runs AS r
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    FROM v, s
+    WHERE r.run_id = v.run_id
+    RETURNING r.version, r.event_seq
+), st AS (
+    INSERT INTO ql3_ai.model_invocation_starts (
+        invocation_id, request_id, project_id, run_id, step_run_id, trace_id, attempt, provider,
+        model, policy_contract_family, policy_contract_id, policy_revision_id, request_digest,
+        deadline_at, input_bytes, command_digest, record, start_digest, mutation_id, event_id,
+        dedupe_key, admitted_at
+    )
+    SELECT v.inv, 'req-' || v.i, 'bench', v.run_id, v.step_run_id, 'trace-' || v.i,
+           s.attempt_count, 'ollama', 'llama3.1:8b', NULL, NULL, NULL,
+           '9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08',
+           '2999-01-01T00:00:00.000000Z', 512, v.command_digest,
+           format(
+               '{"admitted_at":"%s","attempt":%s,"command_digest":"%s",'
+               '"deadline_at":"2999-01-01T00:00:00.000000Z","dedupe_key":"%s","event_id":"%s",'
+               '"input_bytes":512,"invocation_id":"%s","model":"llama3.1:8b","mutation_id":"%s",'
+               '"policy": null,"project_id":"bench","provider":"ollama",'
+               '"request_digest":"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",'
+               '"request_id":"req-%s","run_event_seq":%s,"run_id":"%s","run_version":%s,'
+               '"schema":"ql3/model-invocation-start@v1","step_run_id":"%s",'
+               '"step_run_version":%s,"trace_id":"trace-%s"}',
+               v.at, s.attempt_count, v.command_digest, v.dedupe_key, v.event_id, v.inv,
+               v.mutation_id, v.i, r.event_seq, v.run_id, r.version, v.step_run_id, s.version,
+               v.i
+           )::jsonb,
+           v.start_digest, v.mutation_id, v.event_id, v.dedupe_key, now()
+    FROM v, s, r
+), e AS (
+    INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
+    SELECT v.run_id, r.event_seq, v.event_id, 'model_invocation_admitted', v.step_run_id,
+           jsonb_build_object('invocation_id', v.inv, 'attempt', s.attempt_count,
+                              'from_status', 'ready', 'to_status', 'running',
+                              'step_run_version', s.version, 'start_digest', v.start_digest)
+    FROM v, s, r
+), m AS (
+    INSERT INTO ql3.step_run_mutations (
+        mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version,
+        command_digest
+    )
+    SELECT v.mutation_id, v.dedupe_key, v.step_run_id, 'ready', 'running', s.version - 1,
+           s.version, v.command_digest
+    FROM v, s
+)
+SELECT 1 / count(*) FROM s;
+WITH v AS (
+    SELECT x.i, 'inv-' || x.i AS inv,
+           ('00000000-0000-4000-8000-' || x.i)::uuid AS run_id,
+           ('00000000-0000-4000-9000-' || x.i)::uuid AS step_run_id,
+           md5(x.i || 'start') || md5(x.i || 'start2') AS start_digest,
+           md5(x.i || 'completion-command') || md5(x.i || 'completion-command2')
+               AS command_digest,
+           md5(x.i || 'completion') || md5(x.i || 'completion2') AS completion_digest,
+           'mut_' || md5(x.i || 'mut-c') || md5(x.i || 'mut-c2') AS mutation_id,
+           'evt_' || md5(x.i || 'evt-c') || md5(x.i || 'evt-c2') AS event_id,
+           'ddp_' || md5(x.i || 'ddp-c') || md5(x.i || 'ddp-c2') AS dedupe_key,
+           to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24":"MI":"SS.US"Z"') AS at
+    FROM (SELECT CAST(:idx AS text) AS i) AS x
+), s AS (
+    UPDATE ql3.step_runs AS s
+    SET status = 'succeeded', version = s.version + 1,
+        output_ref = 'model-invocation:' || v.inv, result_code = 'ok', updated_at = now()
+    FROM v
+    WHERE s.step_run_id = v.step_run_id AND s.status = 'running'
+      AND s.current_invocation_id = v.inv
+    RETURNING s.version, s.attempt_count
+), r AS (
+    UPDATE ql3.runs AS r
+    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = now()
+    FROM v, s
+    WHERE r.run_id = v.run_id
+    RETURNING r.version, r.event_seq
+), c AS (
+    INSERT INTO ql3_ai.model_invocation_completions (
+        invocation_id, start_digest, project_id, run_id, step_run_id, outcome, result_code,
+        output_bytes, output_digest, input_tokens, output_tokens, cost_micros, currency,
+        recovered, command_digest, record, completion_digest, mutation_id, event_id, dedupe_key,
+        completed_at
+    )
+    SELECT v.inv, v.start_digest, 'bench', v.run_id, v.step_run_id, 'succeeded', 'ok', 2048,
+           '60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752', 128, 512, 1500,
+           'USD', false, v.command_digest,
+           format(
+               '{"attempt":%s,"command_digest":"%s","completed_at":"%s","dedupe_key":"%s",'
+               '"event_id":"%s","invocation_id":"%s","model":"llama3.1:8b","mutation_id":"%s",'
+               '"outcome":"succeeded","output_bytes":2048,'
+               '"output_digest":"60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752",'
+               '"output_ref":"model-invocation:%s","project_id":"bench","provider":"ollama",'
+               '"recovered": false,"result_code":"ok","run_event_seq":%s,"run_id":"%s",'
+               '"run_version":%s,"schema":"ql3/model-invocation-completion@v1",'
+               '"start_digest":"%s","step_run_id":"%s","step_run_version":%s,'
+               '"trace_id":"trace-%s","usage":{"cost_micros":1500,"currency":"USD",'
+               '"input_tokens":128,"output_tokens":512}}',
+               s.attempt_count, v.command_digest, v.at, v.dedupe_key, v.event_id, v.inv,
+               v.mutation_id, v.inv, r.event_seq, v.run_id, r.version, v.start_digest,
+               v.step_run_id, s.version, v.i
+           )::jsonb,
+           v.completion_digest, v.mutation_id, v.event_id, v.dedupe_key, now()
+    FROM v, s, r
+), u AS (
+    INSERT INTO ql3_ai.usage_ledger (
+        invocation_id, project_id, run_id, provider, model, input_tokens, output_tokens,
+        cost_micros, currency, outcome, completion_digest, recorded_at
+    )
+    SELECT v.inv, 'bench', v.run_id, 'ollama', 'llama3.1:8b', 128, 512, 1500, 'USD',
+           'succeeded', v.completion_digest, now()
+    FROM v, s
+), e AS (
+    INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
+    SELECT v.run_id, r.event_seq, v.event_id, 'model_invocation_completed', v.step_run_id,
+           jsonb_build_object('invocation_id', v.inv, 'outcome', 'succeeded',
+                              'result_code', 'ok', 'recovered', false,
+                              'from_status', 'running', 'to_status', 'succeeded',
+                              'step_run_version', s.version,
+                              'completion_digest', v.completion_digest)
+    FROM v, s, r
+), m AS (
+    INSERT INTO ql3.step_run_mutations (
+        mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version,
+        command_digest
+    )
+    SELECT v.mutation_id, v.dedupe_key, v.step_run_id, 'running', 'succeeded', s.version - 1,
+           s.version, v.command_digest
+    FROM v, s
+)
+SELECT 1 / count(*) FROM s;
 """
 
 SETUP_SQL = """\
@@ -110,7 +282,46 @@ $$;
 """
 
 _BASE0 = 100_000_000_000
+_BATCH = 10_000_000  # ids of one batch: base + client * 1000000 + 0 .. 999999, clients <= 9
 _MAX_PER_CLIENT = 999_999
+
+# What a pair changes in each table it writes: rows, the counters of the rows it updates,
+# and bytes (pg_column_size of every row, so that the floor's rows have the real sizes).
+_FOOTPRINT_SQL = """\
+SELECT 'ql3_ai.model_invocation_starts rows', count(*), sum(pg_column_size(t.*))::bigint
+FROM ql3_ai.model_invocation_starts AS t
+UNION ALL
+SELECT 'ql3_ai.model_invocation_completions rows', count(*), sum(pg_column_size(t.*))::bigint
+FROM ql3_ai.model_invocation_completions AS t
+UNION ALL
+SELECT 'ql3_ai.model_invocation_resolutions rows', count(*), sum(pg_column_size(t.*))::bigint
+FROM ql3_ai.model_invocation_resolutions AS t
+UNION ALL
+SELECT 'ql3_ai.usage_ledger rows', count(*), sum(pg_column_size(t.*))::bigint
+FROM ql3_ai.usage_ledger AS t
+UNION ALL
+SELECT 'ql3.run_events rows', count(*), sum(pg_column_size(t.*))::bigint
+FROM ql3.run_events AS t
+UNION ALL
+SELECT 'ql3.step_run_mutations rows', count(*), sum(pg_column_size(t.*))::bigint
+FROM ql3.step_run_mutations AS t
+UNION ALL
+SELECT 'ql3.runs rows', count(*), sum(pg_column_size(t.*))::bigint FROM ql3.runs AS t
+UNION ALL
+SELECT 'ql3.runs sum(version)', sum(version)::bigint, NULL FROM ql3.runs
+UNION ALL
+SELECT 'ql3.runs sum(event_seq)', sum(event_seq)::bigint, NULL FROM ql3.runs
+UNION ALL
+SELECT 'ql3.step_runs rows', count(*), sum(pg_column_size(t.*))::bigint FROM ql3.step_runs AS t
+UNION ALL
+SELECT 'ql3.step_runs sum(version)', sum(version)::bigint, NULL FROM ql3.step_runs
+UNION ALL
+SELECT 'ql3.step_runs sum(attempt_count)', sum(attempt_count)::bigint, NULL FROM ql3.step_runs
+UNION ALL
+SELECT 'ql3.step_runs succeeded', count(*), NULL FROM ql3.step_runs WHERE status = 'succeeded'
+UNION ALL
+SELECT 'ql3.step_runs running', count(*), NULL FROM ql3.step_runs WHERE status = 'running'
+"""
 
 
 def _completions(dsn: str) -> int:
@@ -120,22 +331,44 @@ def _completions(dsn: str) -> int:
         return int(row[0])
 
 
-class _Pairs:
-    """The pair side: a fresh batch of ready steps (new base) before every pgbench run."""
+def _footprint(dsn: str) -> dict[str, int]:
+    """Every figure of ``_FOOTPRINT_SQL`` (row counts and counters; ``... bytes`` too)."""
+    out: dict[str, int] = {}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for name, value, size in conn.execute(_FOOTPRINT_SQL).fetchall():
+            out[name] = int(value or 0)
+            if name.endswith(" rows"):
+                out[name.removesuffix(" rows") + " bytes"] = int(size or 0)
+    return out
 
-    def __init__(self, dsn: str, script: str) -> None:
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in after}
+
+
+class _Pairs:
+    """One side run by pgbench (the pairs or the floor): a fresh batch of ready steps (the
+    next base of ``bases``, which the sides share, so that ids never collide and every
+    batch sorts after all earlier ones) before every pgbench run."""
+
+    def __init__(self, name: str, dsn: str, script: str, bases: Iterator[int]) -> None:
+        self.name = name
         self.dsn = dsn
         self.script = script
-        self.rounds = 0
+        self.bases = bases
+        # What the last run changed (``_FOOTPRINT_SQL``) when it was asked to count.
+        self.footprint: dict[str, int] | None = None
 
-    def run(self, clients: int, seconds: int, per_client: int) -> PgbenchRun:
-        self.rounds += 1
-        base = _BASE0 + self.rounds * 10_000_000
+    def run(
+        self, clients: int, seconds: int, per_client: int, *, count: bool = False
+    ) -> PgbenchRun:
+        base = next(self.bases)
         per_client = min(per_client, _MAX_PER_CLIENT)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("SELECT bench_prepare(%s, %s, %s)", (base, clients, per_client))
             conn.execute("VACUUM ANALYZE")
         before = _completions(self.dsn)
+        counted = _footprint(self.dsn) if count else None
         run = run_pgbench(
             self.dsn,
             ["-n", "-f", self.script, "-D", f"base={base}", "-D", "n=0"],
@@ -146,10 +379,39 @@ class _Pairs:
         written = _completions(self.dsn) - before
         if run.failed or written != run.transactions:
             raise RuntimeError(
-                f"pairs: pgbench processed {run.transactions} pairs ({run.failed} failed)"
+                f"{self.name}: pgbench processed {run.transactions} pairs ({run.failed} failed)"
                 f" but {written} completions were written"
             )
+        self.footprint = None if counted is None else _delta(counted, _footprint(self.dsn))
         return run
+
+
+def _check_floor(
+    pair: PgbenchRun, pair_fp: dict[str, int], floor: PgbenchRun, floor_fp: dict[str, int]
+) -> dict[str, float]:
+    """Raises unless the floor changed every table as the pairs did, per pair: the same rows
+    and counters exactly, the same bytes to the byte (a sum of ``pg_column_size(t.*)`` can
+    be a few bytes off in total); the per-pair changes."""
+
+    def same(name: str) -> bool:
+        if name.endswith(" bytes"):
+            return round(pair_fp[name] / pair.transactions) == round(
+                floor_fp[name] / floor.transactions
+            )
+        return pair_fp[name] * floor.transactions == floor_fp[name] * pair.transactions
+
+    differ = [
+        f"{name}: pairs {pair_fp[name] / pair.transactions:g}"
+        f" floor {floor_fp[name] / floor.transactions:g} per pair"
+        for name in pair_fp
+        if not same(name)
+    ]
+    if differ:
+        raise RuntimeError("floor: does not write what a pair writes: " + "; ".join(differ))
+    return {
+        name: round(value / pair.transactions, 0 if name.endswith(" bytes") else 2)
+        for name, value in pair_fp.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -181,12 +443,14 @@ class _Dbos:
 
 def _rounds(
     pairs: _Pairs,
+    floor: _Pairs,
     tpcb_dsn: str,
     dbos: _Dbos,
     clients: int,
     rounds: int,
     seconds: int,
     per_client: int,
+    floor_per_client: int,
 ) -> dict[str, list[_Sample | None]]:
     """``rounds`` runs of each side, alternating (``bench.common.alternating``)."""
 
@@ -198,9 +462,14 @@ def _rounds(
         done = pairs.run(clients, seconds, per_client)
         return _Sample(done.tps, done.transactions)
 
+    def floor_pair() -> _Sample:
+        done = floor.run(clients, seconds, floor_per_client)
+        return _Sample(done.tps, done.transactions)
+
     sides: dict[str, Callable[[], _Sample | None]] = {
         "tpcb": tpcb,
         "pairs": pair,
+        "floor": floor_pair,
         "dbos": lambda: dbos.run(clients, seconds),
     }
     return alternating(sides, rounds)
@@ -217,18 +486,22 @@ def run(settings: Settings) -> Result:
     figures: dict[str, Any] = {}
     baseline: dict[str, float] = {}
     ratios: dict[str, float] = {}
-    checks: dict[str, int] = {}
+    checks: dict[str, Any] = {}
     rows: list[Row] = []
     passed: bool | None = None
     dbos_passed: bool | None = None
     dbos = _Dbos(settings.base_dsn)
     tpcb_db = f"bench_tpcb_{os.getpid()}"
+    floor_per_pair: dict[str, float] | None = None
     with (
         fresh_database(settings.base_dsn, "pairs") as dsn,
         tempfile.NamedTemporaryFile("w", suffix=".pgbench", prefix="ql3-pairs-") as f,
+        tempfile.NamedTemporaryFile("w", suffix=".pgbench", prefix="ql3-floor-") as ff,
     ):
         f.write(PAIR_SCRIPT)
         f.flush()
+        ff.write(FLOOR_SCRIPT)
+        ff.flush()
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(SETUP_SQL)
         with psycopg.connect(settings.base_dsn, autocommit=True) as conn:
@@ -240,13 +513,33 @@ def run(settings: Settings) -> Result:
                 check=True,
                 capture_output=True,
             )
-            pairs = _Pairs(dsn, f.name)
+            bases = itertools.count(_BASE0 + _BATCH, _BATCH)
+            pairs = _Pairs("pairs", dsn, f.name, bases)
+            floor = _Pairs("floor", dsn, ff.name, bases)
             for clients in CLIENT_COUNTS:
-                # Warm-up (plans, buffers); its rate sizes the batch of ready steps.
-                warm = pairs.run(clients, 1, 5000)
+                # Warm-up (plans, buffers); its rate sizes the batch of ready steps. The
+                # first warm-ups also count what one pair and one floor pair change.
+                count = floor_per_pair is None
+                warm = pairs.run(clients, 1, 5000, count=count)
+                floor_warm = floor.run(clients, 1, 10000, count=count)
+                if pairs.footprint is not None and floor.footprint is not None:
+                    floor_per_pair = _check_floor(
+                        warm, pairs.footprint, floor_warm, floor.footprint
+                    )
                 run_pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=1)
                 per_client = math.ceil(warm.tps / clients * seconds * 3) + 1000
-                runs = _rounds(pairs, tpcb_dsn, dbos, clients, rounds, seconds, per_client)
+                floor_per_client = math.ceil(floor_warm.tps / clients * seconds * 3) + 1000
+                runs = _rounds(
+                    pairs,
+                    floor,
+                    tpcb_dsn,
+                    dbos,
+                    clients,
+                    rounds,
+                    seconds,
+                    per_client,
+                    floor_per_client,
+                )
                 pair_runs, tpcb_runs = _every_round(runs["pairs"]), _every_round(runs["tpcb"])
                 assert pair_runs is not None and tpcb_runs is not None  # these raise instead
                 per_round = [
@@ -278,6 +571,32 @@ def run(settings: Settings) -> Result:
                         ratio=ratios[key],
                         target=f"ratio >= {TARGET_RATIO}" if ok is not None else "none",
                         result=verdict(ok),
+                    )
+                )
+                floor_runs = _every_round(runs["floor"])
+                assert floor_runs is not None  # a floor run raises instead
+                floor_by_round = [
+                    ratio(p.per_s, t.per_s) for p, t in zip(floor_runs, tpcb_runs, strict=True)
+                ]
+                floor_tps = median([r.per_s for r in floor_runs])
+                figures[f"floor_pairs_per_s_{key}"] = round(floor_tps, 1)
+                figures[f"floor_over_tpcb_by_round_{key}"] = floor_by_round
+                ratios[f"floor_{key}"] = round(median(floor_by_round), 3)
+                checks[f"floor_completions_written_{key}"] = sum(r.count for r in floor_runs)
+                rows.append(
+                    Row(
+                        label=(
+                            f"admit+complete floor/s, {clients} client{plural}: the pair's rows"
+                            " written by plain SQL"
+                        ),
+                        figure=(
+                            f"{floor_tps:,.0f} /s (ratio per round {min(floor_by_round):.3f}"
+                            f" to {max(floor_by_round):.3f})"
+                        ),
+                        baseline=f"{tpcb_tps:,.0f} /s pgbench tpcb-like",
+                        ratio=ratios[f"floor_{key}"],
+                        target="(diagnostic)",
+                        result="n/a",
                     )
                 )
                 dbos_runs = _every_round(runs["dbos"])
@@ -321,6 +640,8 @@ def run(settings: Settings) -> Result:
                 conn.execute(f'DROP DATABASE IF EXISTS "{tpcb_db}" WITH (FORCE)')
     if passed is not None and dbos_passed is not None:
         passed = passed and dbos_passed
+    if floor_per_pair is not None:
+        checks["floor_changes_per_pair_as_pairs"] = floor_per_pair
     return Result(
         name="pairs",
         figures=figures,
@@ -341,6 +662,17 @@ def run(settings: Settings) -> Result:
             " (pgbench -i -s 8); each pairs run on a fresh batch of ready steps",
             "a pair = admit_invocation + complete_invocation (succeeded, with usage) of a ready"
             " model step created before the timed window; completions written = pairs",
+            "floor (diagnostic, no target): the rows one pair writes (start receipt, step"
+            " ready->running, run event_seq/version, run event, step mutation; then completion"
+            " receipt, usage_ledger row, step running->succeeded, run, run event, mutation)"
+            " written by plain SQL, one autocommitted statement of data-modifying CTEs per"
+            " transaction, two transactions per pgbench transaction, as ql3_runtime, on the same"
+            " schema (all constraints, foreign keys, indexes and triggers), on its own fresh"
+            " batches of ready steps, one more pgbench side of every round; no function, no"
+            " validation, no reads beyond the fenced step/run UPDATEs (which take the row locks),"
+            " no digests (md5 strings of the same length); checked once to change every table"
+            " exactly as a pair does (rows, counters, bytes): what the schema's writing alone"
+            " costs, the ceiling of any admit/complete implementation on this schema",
             (
                 f"DBOS Transact {dbos_pairs.version()}: one workflow with one step (no I/O) per"
                 " model call, C threads through its synchronous API, system database on the same"

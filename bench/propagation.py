@@ -120,23 +120,39 @@ async def pause() -> None:
 
 
 async def raw_latencies(
-    redis_url: str, samples: int, warmup: int, *, subscribers: int = WORKERS
+    redis_url: str,
+    samples: int,
+    warmup: int,
+    *,
+    subscribers: int = WORKERS,
+    read_dsn: str | None = None,
 ) -> Samples:
+    """PUBLISH -> every raw subscriber has it; with ``read_dsn``, -> every subscriber has
+    also read the revision from that database once (the floor of a reload)."""
     channel = f"bench:{uuid.uuid4().hex[:8]}:raw"
     out = Samples()
+    mode = ["subscribers"]
+    if read_dsn is not None:
+        with psycopg.connect(read_dsn, autocommit=True) as conn:
+            contract_pair(conn, CONTRACT)
+        mode = ["readers", "--dsn", read_dsn, "--key", PROJECT, FAMILY, CONTRACT]
     async with helpers(
-        "subscribers", min(PROCESSES, subscribers), "subscribers", "--redis-url", redis_url,
+        mode[0], min(PROCESSES, subscribers), *mode, "--redis-url", redis_url,
         "--channel", channel, "--count", str(max(1, subscribers // PROCESSES)),
     ) as procs:  # fmt: skip
         for proc in procs:
             await proc.expect("ready", timeout=60)
         client = aioredis.Redis.from_url(redis_url)
         pids = [proc.proc.pid for proc in procs]
-        started: float | None = None
+        backends: list[int] = []
+        if read_dsn is not None:
+            async with await psycopg.AsyncConnection.connect(read_dsn, autocommit=True) as aconn:
+                backends = await cache_backends(aconn, "ql3-floor")
+        started: tuple[float | None, float | None] = (None, None)
         try:
             for seq in range(warmup + samples):
                 if seq == warmup:
-                    started = cpu_seconds(pids)
+                    started = (cpu_seconds(pids), cpu_seconds(backends) if backends else None)
                 payload = f"{seq} ".encode().ljust(MESSAGE_BYTES, b"x")
                 sent = time.monotonic()
                 receivers = await client.publish(channel, payload)
@@ -147,7 +163,9 @@ async def raw_latencies(
                     out.last.append(last - sent)
                     out.first.append(first - sent)
                 await pause()
-            out.helper_cpu = cpu_used(started, cpu_seconds(pids))
+            out.helper_cpu = cpu_used(started[0], cpu_seconds(pids))
+            if backends:
+                out.postgres_cpu = cpu_used(started[1], cpu_seconds(backends))
         finally:
             await client.aclose()
     return out
@@ -206,11 +224,14 @@ async def cache_latencies(
     return out
 
 
-async def cache_backends(aconn: psycopg.AsyncConnection[Any]) -> list[int]:
+async def cache_backends(
+    aconn: psycopg.AsyncConnection[Any], application: str = "ql3-cache"
+) -> list[int]:
     """The PostgreSQL backends of the caches (same machine: their pids are local)."""
     cur = await aconn.execute(
         "SELECT pid FROM pg_stat_activity"
-        " WHERE datname = current_database() AND application_name = 'ql3-cache'"
+        " WHERE datname = current_database() AND application_name = %s",
+        (application,),
     )
     return [int(row[0]) for row in await cur.fetchall()]
 
@@ -232,6 +253,8 @@ def run(settings: Settings) -> Result:
     samples, warmup = (10, 2) if settings.quick else (100, 5)
     raw = asyncio.run(raw_latencies(settings.redis_url, samples, warmup))
     raw_one = asyncio.run(raw_latencies(settings.redis_url, samples, warmup, subscribers=1))
+    with fresh_database(settings.base_dsn, "propagation_floor") as dsn:
+        floor = asyncio.run(raw_latencies(settings.redis_url, samples, warmup, read_dsn=dsn))
     with fresh_database(settings.base_dsn, "propagation") as dsn:
         built = asyncio.run(cache_latencies(dsn, settings.redis_url, samples, warmup))
     with fresh_database(settings.base_dsn, "propagation_one") as dsn:
@@ -249,11 +272,13 @@ def run(settings: Settings) -> Result:
         "messages": len(raw.last),
         **summary(raw, "raw_", WORKERS),
         **summary(raw_one, "raw_one_subscriber_", 1),
+        **summary(floor, "raw_reader_", WORKERS),
     }
     p50, p99 = percentile(built.last, 50), percentile(built.last, 99)
     o50, o99 = percentile(alone.last, 50), percentile(alone.last, 99)
     r50, r99 = percentile(raw.last, 50), percentile(raw.last, 99)
     q50, q99 = percentile(raw_one.last, 50), percentile(raw_one.last, 99)
+    f50, f99 = percentile(floor.last, 50), percentile(floor.last, 99)
     ok = ms(p99) <= TARGET_P99_MS
     raw_text = f"raw PUBLISH -> {WORKERS} subscribers"
     return Result(
@@ -286,6 +311,17 @@ def run(settings: Settings) -> Result:
                 result=verdict(ok),
             ),
             Row(
+                label=f"floor p50 / p99, {WORKERS} raw subscribers reading once per message",
+                figure=(
+                    f"{ms(f50):.1f} / {ms(f99):.1f} ms"
+                    f" (CPU {cpu_text(baseline, 'raw_reader_')} per message)"
+                ),
+                baseline=f"{ms(r50):.2f} / {ms(r99):.2f} ms {raw_text}",
+                ratio=ratio(f99, r99),
+                target="(diagnostic)",
+                result="n/a",
+            ),
+            Row(
                 label="CPU per reload: worker process + PostgreSQL",
                 figure=f"{cpu_text(figures, '')}",
                 baseline=f"{cpu_text(baseline, 'raw_')} per raw subscriber message",
@@ -313,6 +349,10 @@ def run(settings: Settings) -> Result:
             "all 100 workers share this machine's 2 cores with PostgreSQL, Redis and the relay: "
             "the 100-worker figure is bound by the total CPU of 100 reloads; the 1-worker "
             "figure is what a worker with a core of its own sees",
+            "floor: 100 raw redis-py subscribers in the same layout that, on each message, "
+            "read the revision once on a psycopg connection of their own (the statement a "
+            "reload sends) and check its body hash; latency from PUBLISH, no relay, no "
+            "cache: the least work SPEC section 8 asks of 100 workers per activation",
             "first_receiver_*: time to the first of the 100 caches (relay + Redis hop plus one "
             "reload); the rest of the gap to the last is the fan-out of 100 reloads",
             "*helper_cpu_us_per_receiver: CPU of the helper processes over the measured "

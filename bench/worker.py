@@ -26,10 +26,14 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import psycopg
 import redis.asyncio as aioredis
 
-from ql3.cache import EffectiveRevision, RevisionCache
+from ql3 import canonical
+from ql3.cache import _LOAD_ONE_SQL as LOAD_ONE_SQL
+from ql3.cache import BODY_DOMAIN, EffectiveRevision, RevisionCache
 
 
 def settle_heap() -> None:
@@ -116,6 +120,55 @@ async def raw_subscribers(url: str, channel: str, count: int) -> None:
         await c.aclose()
 
 
+async def raw_readers(url: str, channel: str, count: int, dsn: str, key: Sequence[str]) -> None:
+    """Raw subscribers that each read the revision once per message on a connection of
+    their own (the statement a cache reload sends) and check its body hash: the least
+    work SPEC section 8 asks of a worker per message, without a cache around it."""
+    stop = stop_event()
+    clients = [aioredis.Redis.from_url(url) for _ in range(count)]
+    conns = [
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name="ql3-floor")
+        for _ in range(count)
+    ]
+    pubsubs = [c.pubsub() for c in clients]
+    for p in pubsubs:
+        await p.subscribe(channel)
+        while (await p.get_message(timeout=5.0)) is None:
+            pass
+    seen: dict[int, list[float]] = {}
+
+    async def listen(pubsub: aioredis.client.PubSub, conn: psycopg.AsyncConnection[Any]) -> None:
+        async for message in pubsub.listen():
+            if message["type"] != "message":
+                continue
+            seq = int(message["data"].split(b" ", 1)[0])
+            cur = await conn.execute(LOAD_ONE_SQL, key, prepare=True)
+            row = await cur.fetchone()
+            assert row is not None and canonical.digest(BODY_DOMAIN, row[2]) == row[3]
+            at = time.monotonic()
+            times = seen.setdefault(seq, [])
+            times.append(at)
+            if len(times) == count:
+                say("got", seq, repr(max(times)), repr(min(times)))
+                del seen[seq]
+
+    tasks = [asyncio.create_task(listen(p, c)) for p, c in zip(pubsubs, conns, strict=True)]
+    settle_heap()
+    say("ready")
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for p in pubsubs:
+        await p.aclose()  # type: ignore[no-untyped-call]
+    for c in clients:
+        await c.aclose()
+    for conn in conns:
+        await conn.close()
+
+
 async def cache_workers(
     dsn: str,
     url: str,
@@ -155,7 +208,7 @@ async def cache_workers(
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.worker")
-    parser.add_argument("mode", choices=["count", "subscribers", "caches"])
+    parser.add_argument("mode", choices=["count", "subscribers", "readers", "caches"])
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--channel", help="count, subscribers: the channel")
     parser.add_argument("--expect", type=int, default=0, help="count: messages to wait for")
@@ -175,6 +228,8 @@ def main(argv: Sequence[str]) -> int:
         asyncio.run(count_messages(args.redis_url, args.channel, args.expect, args.idle))
     elif args.mode == "subscribers":
         asyncio.run(raw_subscribers(args.redis_url, args.channel, args.count))
+    elif args.mode == "readers":
+        asyncio.run(raw_readers(args.redis_url, args.channel, args.count, args.dsn, args.key))
     else:
         project, family, contract_id = args.key
         asyncio.run(

@@ -46,6 +46,7 @@ from bench.common import (
     ratio,
     verdict,
 )
+from bench.worker import READERS
 from ql3.relay import Relay, RelayConfig
 
 TARGET_P99_MS = 20.0
@@ -147,7 +148,7 @@ async def raw_latencies(
         backends: list[int] = []
         if read_dsn is not None:
             async with await psycopg.AsyncConnection.connect(read_dsn, autocommit=True) as aconn:
-                backends = await cache_backends(aconn, "ql3-floor")
+                backends = await cache_backends(aconn, READERS)
         started: tuple[float | None, float | None] = (None, None)
         try:
             for seq in range(warmup + samples):

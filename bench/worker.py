@@ -9,6 +9,9 @@ steal its event loop, and they report on stdout, one line per event:
 - ``subscribers``: ``--count`` raw Redis subscribers of one channel; for each message
   ``<seq>`` prints ``got SEQ T`` once all of them have it, T = the latest receive time
   (``time.monotonic()``, a clock shared by every process of the machine; then the earliest).
+- ``readers``: as ``subscribers``, but each one first reads the revision of ``--key`` from
+  ``--dsn`` (the statement a cache reload sends) and checks its body hash: the floor of a
+  reload.
 - ``caches``: ``--count`` RevisionCache instances watching one contract; for each
   pointer_version prints ``loaded PV T`` once every cache has loaded it (``on_change``).
 
@@ -34,6 +37,8 @@ import redis.asyncio as aioredis
 from ql3 import canonical
 from ql3.cache import _LOAD_ONE_SQL as LOAD_ONE_SQL
 from ql3.cache import BODY_DOMAIN, EffectiveRevision, RevisionCache
+
+READERS = "ql3-floor"  # application_name of the readers' connections (their CPU is counted)
 
 
 def settle_heap() -> None:
@@ -83,53 +88,21 @@ async def count_messages(url: str, channel: str, expect: int, idle: float) -> No
     await client.aclose()
 
 
-async def raw_subscribers(url: str, channel: str, count: int) -> None:
-    stop = stop_event()
-    clients = [aioredis.Redis.from_url(url) for _ in range(count)]
-    pubsubs = [c.pubsub() for c in clients]
-    for p in pubsubs:
-        await p.subscribe(channel)
-        while (await p.get_message(timeout=5.0)) is None:
-            pass
-    seen: dict[int, list[float]] = {}
-
-    async def listen(pubsub: aioredis.client.PubSub) -> None:
-        async for message in pubsub.listen():
-            if message["type"] != "message":
-                continue
-            at = time.monotonic()
-            seq = int(message["data"].split(b" ", 1)[0])
-            times = seen.setdefault(seq, [])
-            times.append(at)
-            if len(times) == count:
-                say("got", seq, repr(max(times)), repr(min(times)))
-                del seen[seq]
-
-    tasks = [asyncio.create_task(listen(p)) for p in pubsubs]
-    settle_heap()
-    say("ready")
-    await stop.wait()
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    for p in pubsubs:
-        await p.aclose()  # type: ignore[no-untyped-call]
-    for c in clients:
-        await c.aclose()
-
-
-async def raw_readers(url: str, channel: str, count: int, dsn: str, key: Sequence[str]) -> None:
-    """Raw subscribers that each read the revision once per message on a connection of
-    their own (the statement a cache reload sends) and check its body hash: the least
+async def raw_subscribers(
+    url: str, channel: str, count: int, *, dsn: str | None = None, key: Sequence[str] = ()
+) -> None:
+    """``count`` raw subscribers of ``channel``. With ``dsn`` (mode ``readers``), each one
+    also reads the revision of ``key`` once per message on a connection of its own (the
+    statement a cache reload sends) and checks its body hash before it reports: the least
     work SPEC section 8 asks of a worker per message, without a cache around it."""
     stop = stop_event()
     clients = [aioredis.Redis.from_url(url) for _ in range(count)]
-    conns = [
-        await psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name="ql3-floor")
-        for _ in range(count)
-    ]
+    conns: list[psycopg.AsyncConnection[Any] | None] = [None] * count
+    if dsn is not None:
+        conns = [
+            await psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=READERS)
+            for _ in range(count)
+        ]
     pubsubs = [c.pubsub() for c in clients]
     for p in pubsubs:
         await p.subscribe(channel)
@@ -137,14 +110,18 @@ async def raw_readers(url: str, channel: str, count: int, dsn: str, key: Sequenc
             pass
     seen: dict[int, list[float]] = {}
 
-    async def listen(pubsub: aioredis.client.PubSub, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def listen(
+        pubsub: aioredis.client.PubSub, conn: psycopg.AsyncConnection[Any] | None
+    ) -> None:
         async for message in pubsub.listen():
             if message["type"] != "message":
                 continue
             seq = int(message["data"].split(b" ", 1)[0])
-            cur = await conn.execute(LOAD_ONE_SQL, key, prepare=True)
-            row = await cur.fetchone()
-            assert row is not None and canonical.digest(BODY_DOMAIN, row[2]) == row[3]
+            if conn is not None:
+                cur = await conn.execute(LOAD_ONE_SQL, key, prepare=True)
+                row = await cur.fetchone()
+                if row is None or canonical.digest(BODY_DOMAIN, row[2]) != row[3]:
+                    raise RuntimeError(f"{key}: no active revision, or not its body_hash")
             at = time.monotonic()
             times = seen.setdefault(seq, [])
             times.append(at)
@@ -166,7 +143,8 @@ async def raw_readers(url: str, channel: str, count: int, dsn: str, key: Sequenc
     for c in clients:
         await c.aclose()
     for conn in conns:
-        await conn.close()
+        if conn is not None:
+            await conn.close()
 
 
 async def cache_workers(
@@ -214,9 +192,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--expect", type=int, default=0, help="count: messages to wait for")
     parser.add_argument("--idle", type=float, default=10.0, help="count: give up after quiet")
     parser.add_argument("--count", type=int, default=1, help="subscribers, caches: how many")
-    parser.add_argument("--dsn", help="caches: database")
+    parser.add_argument("--dsn", help="readers, caches: database")
     parser.add_argument("--prefix", help="caches: channel prefix of the relay")
-    parser.add_argument("--key", nargs=3, help="caches: project family contract_id")
+    parser.add_argument("--key", nargs=3, help="readers, caches: project family contract_id")
     parser.add_argument("--index", type=int, default=0, help="which helper of several")
     return parser.parse_args(argv)
 
@@ -229,7 +207,9 @@ def main(argv: Sequence[str]) -> int:
     elif args.mode == "subscribers":
         asyncio.run(raw_subscribers(args.redis_url, args.channel, args.count))
     elif args.mode == "readers":
-        asyncio.run(raw_readers(args.redis_url, args.channel, args.count, args.dsn, args.key))
+        asyncio.run(
+            raw_subscribers(args.redis_url, args.channel, args.count, dsn=args.dsn, key=args.key)
+        )
     else:
         project, family, contract_id = args.key
         asyncio.run(

@@ -55,6 +55,11 @@ def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
         assert positive(
             act["figures"][f"activations_notify_in_transaction_per_s_{clients}_clients"]
         )
+        # The floor (D42): its runs wrote one outbox row per transaction too (checked by
+        # the benchmark, which raises otherwise) and report a ratio of their own.
+        assert positive(act["figures"][f"floor_writes_per_s_{clients}_clients"])
+        assert positive(act["ratio"][f"floor_{clients}_clients"])
+        assert act["checks"][f"floor_transactions_{clients}_clients"] > 0
     assert isinstance(act["pass"], bool)
 
     drain = benches["relay_drain"]
@@ -77,6 +82,19 @@ def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
         by_round = pairs["figures"][f"pairs_over_tpcb_by_round_{clients}_clients"]
         assert len(by_round) == 1 and positive(by_round[0])  # --quick: one round
         assert pairs["ratio"][f"{clients}_clients"] == by_round[0]
+        assert positive(pairs["figures"][f"floor_pairs_per_s_{clients}_clients"])
+        assert pairs["checks"][f"floor_completions_written_{clients}_clients"] > 0
+        floor_by_round = pairs["figures"][f"floor_over_tpcb_by_round_{clients}_clients"]
+        assert len(floor_by_round) == 1 and positive(floor_by_round[0])
+    # The floor was checked to write what a pair writes; per pair:
+    per_pair = pairs["checks"]["floor_changes_per_pair_as_pairs"]
+    assert per_pair["ql3_ai.model_invocation_starts rows"] == 1
+    assert per_pair["ql3_ai.model_invocation_completions rows"] == 1
+    assert per_pair["ql3_ai.usage_ledger rows"] == 1
+    assert per_pair["ql3.run_events rows"] == 2
+    assert per_pair["ql3.step_run_mutations rows"] == 2
+    assert per_pair["ql3.step_runs succeeded"] == 1
+    assert positive(per_pair["ql3_ai.model_invocation_starts bytes"])
     assert isinstance(pairs["pass"], bool)
     dbos_rows = [row for row in pairs["rows"] if "vs DBOS" in row["label"]]
     assert len(dbos_rows) == 2
@@ -112,6 +130,29 @@ def test_alternating_rounds_reverse_the_order_every_other_round(
     runs = alternating({"a": side("a"), "b": side("b"), "c": side("c")}, 3)
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert runs == {"a": ["a1", "a6", "a7"], "b": ["b2", "b5", "b8"], "c": ["c3", "c4", "c9"]}
+
+
+def test_the_pairs_floor_check_refuses_a_floor_that_writes_other_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench import pairs
+    from bench.common import PgbenchRun
+
+    pair = PgbenchRun(clients=1, seconds=1.0, transactions=10, failed=0, tps=10.0)
+    floor = PgbenchRun(clients=1, seconds=1.0, transactions=20, failed=0, tps=20.0)
+    real = {"ql3.run_events rows": 20, "ql3.run_events bytes": 8480}
+    same = {"ql3.run_events rows": 40, "ql3.run_events bytes": 16962}  # 2 bytes off in all
+    assert pairs._check_floor(pair, real, floor, same) == {
+        "ql3.run_events rows": 2,
+        "ql3.run_events bytes": 848,
+    }
+    fewer = {"ql3.run_events rows": 20, "ql3.run_events bytes": 8480}
+    with pytest.raises(RuntimeError, match="run_events rows: pairs 2 floor 1 per pair"):
+        pairs._check_floor(pair, real, floor, fewer)
+    smaller = {"ql3.run_events rows": 40, "ql3.run_events bytes": 16000}
+    with pytest.raises(RuntimeError, match="run_events bytes: pairs 848 floor 800 per pair"):
+        pairs._check_floor(pair, real, floor, smaller)
 
 
 def test_a_dbos_round_that_cannot_be_measured_marks_the_side_not_measured(

@@ -287,41 +287,34 @@ _MAX_PER_CLIENT = 999_999
 
 # What a pair changes in each table it writes: rows, the counters of the rows it updates,
 # and bytes (pg_column_size of every row, so that the floor's rows have the real sizes).
-_FOOTPRINT_SQL = """\
-SELECT 'ql3_ai.model_invocation_starts rows', count(*), sum(pg_column_size(t.*))::bigint
-FROM ql3_ai.model_invocation_starts AS t
-UNION ALL
-SELECT 'ql3_ai.model_invocation_completions rows', count(*), sum(pg_column_size(t.*))::bigint
-FROM ql3_ai.model_invocation_completions AS t
-UNION ALL
-SELECT 'ql3_ai.model_invocation_resolutions rows', count(*), sum(pg_column_size(t.*))::bigint
-FROM ql3_ai.model_invocation_resolutions AS t
-UNION ALL
-SELECT 'ql3_ai.usage_ledger rows', count(*), sum(pg_column_size(t.*))::bigint
-FROM ql3_ai.usage_ledger AS t
-UNION ALL
-SELECT 'ql3.run_events rows', count(*), sum(pg_column_size(t.*))::bigint
-FROM ql3.run_events AS t
-UNION ALL
-SELECT 'ql3.step_run_mutations rows', count(*), sum(pg_column_size(t.*))::bigint
-FROM ql3.step_run_mutations AS t
-UNION ALL
-SELECT 'ql3.runs rows', count(*), sum(pg_column_size(t.*))::bigint FROM ql3.runs AS t
-UNION ALL
-SELECT 'ql3.runs sum(version)', sum(version)::bigint, NULL FROM ql3.runs
-UNION ALL
-SELECT 'ql3.runs sum(event_seq)', sum(event_seq)::bigint, NULL FROM ql3.runs
-UNION ALL
-SELECT 'ql3.step_runs rows', count(*), sum(pg_column_size(t.*))::bigint FROM ql3.step_runs AS t
-UNION ALL
-SELECT 'ql3.step_runs sum(version)', sum(version)::bigint, NULL FROM ql3.step_runs
-UNION ALL
-SELECT 'ql3.step_runs sum(attempt_count)', sum(attempt_count)::bigint, NULL FROM ql3.step_runs
-UNION ALL
-SELECT 'ql3.step_runs succeeded', count(*), NULL FROM ql3.step_runs WHERE status = 'succeeded'
-UNION ALL
-SELECT 'ql3.step_runs running', count(*), NULL FROM ql3.step_runs WHERE status = 'running'
-"""
+_FOOTPRINT_TABLES = (
+    "ql3_ai.model_invocation_starts",
+    "ql3_ai.model_invocation_completions",
+    "ql3_ai.model_invocation_resolutions",
+    "ql3_ai.usage_ledger",
+    "ql3.run_events",
+    "ql3.step_run_mutations",
+    "ql3.runs",
+    "ql3.step_runs",
+)
+_FOOTPRINT_COUNTERS = (  # name, value, FROM ...
+    ("ql3.runs sum(version)", "sum(version)", "ql3.runs"),
+    ("ql3.runs sum(event_seq)", "sum(event_seq)", "ql3.runs"),
+    ("ql3.step_runs sum(version)", "sum(version)", "ql3.step_runs"),
+    ("ql3.step_runs sum(attempt_count)", "sum(attempt_count)", "ql3.step_runs"),
+    ("ql3.step_runs succeeded", "count(*)", "ql3.step_runs WHERE status = 'succeeded'"),
+    ("ql3.step_runs running", "count(*)", "ql3.step_runs WHERE status = 'running'"),
+)
+_FOOTPRINT_SQL = "\nUNION ALL\n".join(
+    [
+        f"SELECT '{table} rows', count(*), sum(pg_column_size(t.*))::bigint FROM {table} AS t"
+        for table in _FOOTPRINT_TABLES
+    ]
+    + [
+        f"SELECT '{name}', {value}::bigint, NULL FROM {source}"
+        for name, value, source in _FOOTPRINT_COUNTERS
+    ]
+)
 
 
 def _completions(dsn: str) -> int:

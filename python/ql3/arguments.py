@@ -38,21 +38,28 @@ def check_uuid_args(*values: object) -> None:
             )
 
 
+def check_key_part(what: str, part: object) -> str:
+    """Refuses what PostgreSQL could not hold as an identifier's text: anything but a
+    ``str``, U+0000, a lone surrogate."""
+    if not isinstance(part, str):
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {what} must be text, not {type(part).__name__}"
+        )
+    if "\x00" in part:
+        raise InvalidArgument(f"QL3_INVALID_ARGUMENT: {what} contains NUL (U+0000)")
+    try:
+        part.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(
+            f"QL3_INVALID_ARGUMENT: {what} is not valid Unicode (a lone surrogate)"
+        ) from None
+    return part
+
+
 def check_contract_key(project_id: object, contract_family: object, contract_id: object) -> None:
-    """Refuses a contract key a revision cache could not look up: each part must be text
-    that PostgreSQL can hold (no U+0000, no lone surrogate)."""
+    """Refuses a contract key a revision cache could not look up (``check_key_part``)."""
     for part in (project_id, contract_family, contract_id):
-        if not isinstance(part, str):
-            raise InvalidArgument(
-                f"QL3_INVALID_ARGUMENT: a contract key part must be text, not {type(part).__name__}"
-            )
-        check_text_args(part)
-        try:
-            part.encode()
-        except UnicodeEncodeError:
-            raise InvalidArgument(
-                "QL3_INVALID_ARGUMENT: a contract key part is not valid Unicode (a lone surrogate)"
-            ) from None
+        check_key_part("a contract key part", part)
 
 
 def check_seconds(
@@ -117,11 +124,7 @@ def check_projects(projects: object) -> list[str] | None:
         )
     checked = list(projects)
     for project in checked:
-        try:
-            check_contract_key(project, "", "")
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"{exc.message} (a project id of projects)") from None
-        if not project:
+        if not check_key_part("a project id of projects", project):
             raise InvalidArgument("QL3_INVALID_ARGUMENT: a project id of projects is empty")
     return checked
 

@@ -62,7 +62,7 @@ def test_a_zero_budget_is_allowed_it_means_verify_every_use(tmp_path: Path) -> N
         cache.close()
 
 
-@pytest.mark.parametrize("projects", ["acme", b"acme", [""], ["ac\x00me"], [7], 7])
+@pytest.mark.parametrize("projects", ["acme", b"acme", [""], ["ac\x00me"], ["ac\ud800me"], [7], 7])
 def test_projects_are_a_list_of_ids_never_a_string(tmp_path: Path, projects: Any) -> None:
     with pytest.raises(errors.InvalidArgument, match="project"):
         RevisionCache("host=nowhere", "redis://nowhere", projects=projects)

@@ -135,13 +135,17 @@ class EdgeRevisionCache:
         ``BodyHashMismatch`` for a body that does not match its hash and ``Unavailable``
         when the store cannot be read.
         """
-        arguments.check_contract_key(project_id, contract_family, contract_id)
         key = (project_id, contract_family, contract_id)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and (
-                self.degraded
-                or time.monotonic() - entry.verified_mono > self.staleness(contract_family)
+            try:
+                entry = self._entries.get(key)
+            except TypeError:  # unhashable: not a key at all, as check_contract_key says
+                entry = None
+            if entry is None:
+                # A cached key was checked when it was first loaded: hits skip the check.
+                arguments.check_contract_key(*key)
+            elif self.degraded or time.monotonic() - entry.verified_mono > self.staleness(
+                contract_family
             ):
                 self.verify([key])
                 entry = self._entries.get(key)

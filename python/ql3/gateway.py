@@ -4,12 +4,14 @@ between a durable admission and a durable completion.
 Why it is built this way:
 
 - **Admission is never raced.** The store call runs where the caller's cancellation and
-  deadline cannot stop it: an asyncio store's (``ql3.store_async.AsyncPgStore``) as a task
-  of its own, a blocking store's (``PgStore``, the SQLite ``EdgeStore``) in one of the
-  gateway's store threads (``store_threads``, 8 by default: PgStore's default pool size, so
-  that 8 concurrent calls do not queue for a thread). The gateway awaits a future of its
-  own that the call's end completes and,
-  when the caller is cancelled, keeps waiting for the database's own answer, writes the
+  deadline cannot stop it. With an asyncio store (``ql3.store_async.AsyncPgStore``) the
+  whole of ``invoke`` runs as a task of its own, which the caller's cancellation reaches
+  only while nothing is written or the provider is being called (``_in_own_task``); a
+  stream's store calls run as tasks of their own. A blocking store's calls
+  (``PgStore``, the SQLite ``EdgeStore``) run in one of the gateway's store threads
+  (``store_threads``, 8 by default: PgStore's default pool size, so that 8 concurrent
+  calls do not queue for a thread). The caller awaits a future of its own that the end
+  completes and, when it is cancelled, keeps waiting for the database's own answer, writes the
   completion that answer calls for, and only then lets the cancellation through. An
   admission is bounded by the store's timeouts (``statement_timeout``, ``lock_timeout``,
   connect timeout: ``ql3.db.Timeouts``), never by a race in Python, so a call that
@@ -48,10 +50,18 @@ import hashlib
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 from ql3 import arguments, canonical, errors
 from ql3.errors import Ql3Error
@@ -216,8 +226,10 @@ class InvocationStore(Protocol):
 
 
 class AsyncInvocationStore(Protocol):
-    """The same two methods as coroutines (``ql3.store_async.AsyncPgStore``): each runs as
-    a task of its own on the gateway's loop, bounded by the store's own timeouts."""
+    """The same two methods as coroutines (``ql3.store_async.AsyncPgStore``), awaited on
+    the gateway's loop where the caller's cancellation does not reach them (``invoke``:
+    in the call's own task; a stream: as tasks of their own), bounded by the store's own
+    timeouts."""
 
     async def admit_invocation(self, command: Mapping[str, Any]) -> Mapping[str, Any]: ...
 
@@ -273,7 +285,8 @@ class ChatProvider(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class GatewayHooks:
-    """Fault-injection points for tests, awaited in the calling task.
+    """Fault-injection points for tests, awaited in the task that runs the call (the
+    caller's, or the call's own: see ``_in_own_task``).
 
     ``before_completion(command)`` runs after the provider outcome is known and before the
     completion is written (e.g. to kill the store's connection there).
@@ -462,6 +475,70 @@ async def _run_to_end(job: concurrent.futures.Future[Mapping[str, Any]]) -> _Fin
     return _Finished(None if error is not None else job.result(), error, cancelled)
 
 
+@dataclass(kw_only=True, slots=True)
+class _Guard:
+    """What the caller's cancellation may do to a call in progress.
+
+    ``own_task``: the call runs in a task of its own (``_in_own_task``), so its store calls
+    are awaited directly and nothing reaches them; otherwise it runs in the caller's task
+    and each store call is protected on its own. ``interruptible``: the own task may be
+    cancelled now (while the policy is looked up, nothing written yet, and while the
+    provider is called). ``cancelled``: the caller was cancelled.
+    """
+
+    own_task: bool
+    interruptible: bool = True
+    cancelled: bool = False
+
+
+_T = TypeVar("_T")
+
+
+async def _in_own_task(body: Callable[[_Guard], Coroutine[Any, Any, _T]]) -> _T:
+    """Run ``body`` as a task of its own and wait for its end.
+
+    A cancellation of the caller cancels the task only where ``body`` marks itself
+    interruptible; elsewhere (a store call and what follows from its answer) it is noted in
+    the guard for ``body`` to act on, and raised here once the task has ended. One task per
+    call, not one per store call: on a loop shared by many calls, every hop through the
+    loop's queue waits behind the work of every other call (D43).
+    """
+    loop = asyncio.get_running_loop()
+    guard = _Guard(own_task=True)
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    async def run() -> _T:
+        try:
+            return await coro
+        finally:
+            wake()  # the task is done by the time the caller resumes
+
+    coro = body(guard)
+    task = loop.create_task(run())
+    task.add_done_callback(wake)  # a task cancelled before its first step never runs run()
+    while not task.done():
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            guard.cancelled = True
+            if guard.interruptible:
+                task.cancel()
+            waiter = loop.create_future()
+    if task.cancelled():
+        coro.close()  # never started if the task was cancelled before its first step
+        raise asyncio.CancelledError
+    error = task.exception()  # retrieved either way: a cancellation wins
+    if guard.cancelled:
+        raise asyncio.CancelledError
+    if error is not None:
+        raise error
+    return task.result()
+
+
 async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
     """``_run_to_end`` for a store coroutine, run as a task of its own on this loop.
 
@@ -502,6 +579,16 @@ async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
         return _Finished(None, error, True)
     done = running.result()
     return _Finished(done.value, done.error, cancelled)
+
+
+async def _awaited_to_end(call: Awaitable[Mapping[str, Any]], guard: _Guard) -> _Finished:
+    """A store coroutine awaited in a call's own task, where the caller's cancellation
+    does not reach it (the guard says whether the caller was cancelled meanwhile)."""
+    try:
+        value = await call
+    except Exception as exc:
+        return _Finished(None, exc, guard.cancelled)
+    return _Finished(value, None, guard.cancelled)
 
 
 def _settled_fields(admission: _Admission, command: Mapping[str, Any]) -> dict[str, Any]:
@@ -555,11 +642,15 @@ class ModelGateway:
                 executor.shutdown(wait=False)
 
     def _store_call(
-        self, fn: Callable[[Mapping[str, Any]], Any], command: Mapping[str, Any]
+        self, fn: Callable[[Mapping[str, Any]], Any], command: Mapping[str, Any], guard: _Guard
     ) -> Awaitable[_Finished]:
         """Start a store call, in the caller's context, and wait for its end: a coroutine
-        as a task of its own (``_task_to_end``), a blocking call in one of the gateway's
-        threads (as ``asyncio.to_thread``; ``_run_to_end``)."""
+        awaited directly in a call's own task (``_in_own_task``) or as a task of its own
+        (``_task_to_end``), a blocking call in one of the gateway's threads (as
+        ``asyncio.to_thread``; ``_run_to_end``)."""
+        if guard.own_task:
+            guard.interruptible = False
+            return _awaited_to_end(fn(command), guard)
         if self._async_store:
             return _task_to_end(fn(command))
         executor = self._executor
@@ -585,20 +676,30 @@ class ModelGateway:
         policy, a model the policy does not allow, malformed messages) are ``ql3.errors``
         raised before anything is admitted.
         """
-        admission = await self._admit(call, stream=False)
+        if self._async_store:
+            return await _in_own_task(lambda guard: self._invoke(call, guard))
+        return await self._invoke(call, _Guard(own_task=False))
+
+    async def _invoke(self, call: ModelCall, guard: _Guard) -> InvocationResult:
+        admission = await self._admit(call, stream=False, guard=guard)
         timer = asyncio.timeout_at(admission.deadline)
         try:
-            async with timer:
-                response = await self._provider.complete(admission.plan.route, admission.plan.body)
+            guard.interruptible = True
+            try:
+                async with timer:
+                    route, body = admission.plan.route, admission.plan.body
+                    response = await self._provider.complete(route, body)
+            finally:
+                guard.interruptible = False
         except asyncio.CancelledError:
             lost = self._command(admission, Outcome.LOST)
-            await self._settle_quietly(admission, lost, "caller_cancelled")
+            await self._settle_quietly(admission, lost, "caller_cancelled", guard)
             raise
         except Exception as exc:
             command, error = self._failure(admission, exc, timer.expired())
-            error.completion, _ = await self._settle(admission, command)
+            error.completion, _ = await self._settle(admission, command, guard)
             raise error from exc
-        return await self._succeed(admission, response)
+        return await self._succeed(admission, response, guard)
 
     def stream(self, call: ModelCall) -> ModelStream:
         """The answer as an async iterator of text pieces.
@@ -659,7 +760,7 @@ class ModelGateway:
             self._routes[revision_id] = routes
         return routes
 
-    async def _admit(self, call: ModelCall, *, stream: bool) -> _Admission:
+    async def _admit(self, call: ModelCall, *, stream: bool, guard: _Guard) -> _Admission:
         """A ``created`` admission whose deadline has not passed, or an error.
 
         The policy lookup is bounded by the deadline (nothing is written yet); the admission
@@ -673,6 +774,7 @@ class ModelGateway:
             raise
         deadline = loop.time() + remaining
         for attempt in (1, 2):
+            guard.interruptible = True  # nothing is written before the admission
             timer = asyncio.timeout_at(deadline)
             try:
                 async with timer:
@@ -683,7 +785,7 @@ class ModelGateway:
                 raise _late_before_admission(call) from exc
             if loop.time() >= deadline:
                 raise _late_before_admission(call)
-            done = await self._store_call(self._store.admit_invocation, plan.command)
+            done = await self._store_call(self._store.admit_invocation, plan.command, guard)
             if done.error is not None:
                 if isinstance(done.error, errors.StaleRevision) and attempt == 1:
                     if done.cancelled:
@@ -712,11 +814,11 @@ class ModelGateway:
                     invocation_id=call.invocation_id,
                 ) from done.error
             assert done.value is not None
-            return await self._admitted(call, plan, done, deadline)
+            return await self._admitted(call, plan, done, deadline, guard)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _admitted(
-        self, call: ModelCall, plan: _Plan, done: _Finished, deadline: float
+        self, call: ModelCall, plan: _Plan, done: _Finished, deadline: float, guard: _Guard
     ) -> _Admission:
         assert done.value is not None
         status, start = done.value.get("status"), done.value.get("start")
@@ -753,11 +855,13 @@ class ModelGateway:
             outcome = Outcome.TIMED_OUT if late else Outcome.FAILED
             code = RESULT_DEADLINE_BEFORE_CALL if late else RESULT_CANCELLED_BEFORE_CALL
             command = self._command(admission, outcome, code)
-            await self._settle_quietly(admission, command, "caller_cancelled_during_admission")
+            await self._settle_quietly(
+                admission, command, "caller_cancelled_during_admission", guard
+            )
             raise asyncio.CancelledError
         if late:
             command = self._command(admission, Outcome.TIMED_OUT, RESULT_DEADLINE_BEFORE_CALL)
-            completion, _ = await self._settle(admission, command)
+            completion, _ = await self._settle(admission, command, guard)
             raise ModelDeadlineExceeded(
                 "MODEL_DEADLINE_EXCEEDED: the deadline passed while the admission waited for "
                 "the database; the provider was not called",
@@ -829,7 +933,7 @@ class ModelGateway:
         )
 
     async def _settle(
-        self, admission: _Admission, command: Mapping[str, Any]
+        self, admission: _Admission, command: Mapping[str, Any], guard: _Guard
     ) -> tuple[Mapping[str, Any], str]:
         """Write the completion to its end (whatever happens to the caller meanwhile): the
         completion receipt and its digest, or ``ModelAuditUnavailable``. A cancellation
@@ -841,7 +945,7 @@ class ModelGateway:
                 await hook(command)
             except asyncio.CancelledError:
                 cancelled = True
-        done = await self._store_call(self._store.complete_invocation, command)
+        done = await self._store_call(self._store.complete_invocation, command, guard)
         cancelled = cancelled or done.cancelled
         if done.error is not None:
             _log(
@@ -877,7 +981,7 @@ class ModelGateway:
         return completion, str(done.value.get("completion_digest"))
 
     async def _settle_quietly(
-        self, admission: _Admission, command: Mapping[str, Any], why: str
+        self, admission: _Admission, command: Mapping[str, Any], why: str, guard: _Guard
     ) -> None:
         """Settle on a path that raises something else anyway (a cancellation, an early
         stop): a failed write is logged and left to recovery."""
@@ -889,9 +993,11 @@ class ModelGateway:
         )
         # A failed write is logged by _settle; recovery settles the start after its deadline.
         with contextlib.suppress(GatewayError):
-            await self._settle(admission, command)
+            await self._settle(admission, command, guard)
 
-    async def _succeed(self, admission: _Admission, response: ProviderResponse) -> InvocationResult:
+    async def _succeed(
+        self, admission: _Admission, response: ProviderResponse, guard: _Guard
+    ) -> InvocationResult:
         command = self._command(
             admission,
             Outcome.SUCCEEDED,
@@ -900,7 +1006,7 @@ class ModelGateway:
             output_digest=response.output_digest,
             usage=response.usage,
         )
-        completion, completion_digest = await self._settle(admission, command)
+        completion, completion_digest = await self._settle(admission, command, guard)
         return InvocationResult(
             invocation_id=admission.invocation_id,
             text=response.text,
@@ -920,7 +1026,8 @@ class ModelGateway:
     # -- streaming --------------------------------------------------------------------------
 
     async def _stream(self, call: ModelCall, sink: ModelStream) -> AsyncGenerator[str, None]:
-        admission = await self._admit(call, stream=True)
+        guard = _Guard(own_task=False)  # the consumer's task runs the stream
+        admission = await self._admit(call, stream=True, guard=guard)
         events = self._provider.stream(admission.plan.route, admission.plan.body)
         final: ProviderResponse | None = None
         try:
@@ -939,17 +1046,17 @@ class ModelGateway:
                 await _close_quietly(events)
         except GeneratorExit:
             lost = self._command(admission, Outcome.LOST)
-            await self._settle_quietly(admission, lost, "stream_consumer_stopped")
+            await self._settle_quietly(admission, lost, "stream_consumer_stopped", guard)
             raise
         except asyncio.CancelledError:
             lost = self._command(admission, Outcome.LOST)
-            await self._settle_quietly(admission, lost, "stream_consumer_cancelled")
+            await self._settle_quietly(admission, lost, "stream_consumer_cancelled", guard)
             raise
         except Exception as exc:
             command, error = self._failure(admission, exc, timer.expired())
-            error.completion, _ = await self._settle(admission, command)
+            error.completion, _ = await self._settle(admission, command, guard)
             raise error from exc
-        sink.result = await self._succeed(admission, final)
+        sink.result = await self._succeed(admission, final, guard)
 
 
 def _late_before_admission(call: ModelCall) -> ModelDeadlineExceeded:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -59,6 +60,8 @@ from ql3.gateway import (
     ModelInvocationReplayBlocked,
     ModelOutcomeUnknown,
     ModelProviderFailed,
+    _Guard,
+    _in_own_task,
     _task_to_end,
     deadline_in,
 )
@@ -189,7 +192,8 @@ def world(
     provider: StubProvider,  # noqa: F811
 ) -> Iterator[World]:
     """Every gateway test runs over the blocking PgStore (store threads) and over the
-    asyncio AsyncPgStore (store calls as tasks): the same guarantees either way."""
+    asyncio AsyncPgStore (each invoke as a task of its own, a stream's store calls as
+    tasks): the same guarantees either way."""
     with PgStore(db_dsn) as ops:
         topology = topology_body([("stub-a", provider.base_url, [MODEL])])
         revision = ops.put_revision(
@@ -526,6 +530,49 @@ def test_stale_policy_revision_is_reloaded_and_admitted_once_more(world: World) 
     assert world.provider.calls == 1
 
 
+def test_caller_cancelled_during_the_completion_write_waits_for_it_then_cancels(
+    world: World,
+) -> None:
+    """The provider has answered; the completion waits on a lock when the caller is
+    cancelled: the completion is still written in full, and only then does the
+    cancellation reach the caller."""
+    call = world.call()
+    locked, release = threading.Event(), threading.Event()
+    holders: list[threading.Thread] = []
+
+    def hold_the_step() -> None:
+        with step_locked(world):
+            locked.set()
+            release.wait(10)
+
+    async def lock_the_step(command: Mapping[str, Any]) -> None:
+        holder = threading.Thread(target=hold_the_step, daemon=True)
+        holders.append(holder)
+        holder.start()
+        assert await asyncio.to_thread(locked.wait, 10)
+
+    async def scenario() -> None:
+        hooks = GatewayHooks(before_completion=lock_the_step)
+        async with harness(world, timeouts=Timeouts(lock_ms=10000), hooks=hooks) as h:
+            task = asyncio.create_task(h.gateway.invoke(call))
+            await wait_for_lock_wait(world)
+            task.cancel()
+            await asyncio.sleep(0.2)
+            assert not task.done(), "the cancellation raced the completion"
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    try:
+        run(scenario())
+    finally:
+        release.set()
+        for holder in holders:
+            holder.join(15)
+    assert world.provider.calls == 1
+    world.assert_settled(call.invocation_id, "succeeded", "ok")
+
+
 # -- provider outcomes -----------------------------------------------------------------------
 
 
@@ -781,6 +828,105 @@ def test_a_store_call_task_cancelled_before_it_ran_is_an_unavailable_call() -> N
         assert (done.value, done.cancelled) == (None, True)
 
     run(scenario())
+
+
+OWN_TASK = "_in_own_task.<locals>.run"
+
+
+def own_tasks() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == OWN_TASK]
+
+
+def test_a_call_in_its_own_task_runs_its_uninterruptible_part_to_the_end_when_cancelled() -> None:
+    """A cancelled caller waits for the part of its call that may not be interrupted (a
+    store call and what its answer calls for), which sees the cancellation noted; the
+    caller gets the cancellation, not the result."""
+    seen: list[bool] = []
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def body(guard: _Guard) -> str:
+            guard.interruptible = False
+            await gate.wait()
+            seen.append(guard.cancelled)
+            return "written"
+
+        caller = asyncio.create_task(_in_own_task(body))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        await asyncio.sleep(0.01)
+        assert not caller.done(), "the cancellation interrupted the call"
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    run(scenario())
+    assert seen == [True]
+
+
+def test_a_call_in_its_own_task_is_interrupted_where_it_allows_it() -> None:
+    interrupted: list[str] = []
+
+    async def scenario() -> None:
+        async def body(guard: _Guard) -> str:
+            assert guard.interruptible
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                interrupted.append("provider call")
+                raise
+            return "answer"
+
+        caller = asyncio.create_task(_in_own_task(body))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    run(scenario())
+    assert interrupted == ["provider call"]
+
+
+def test_a_call_in_its_own_task_passes_on_its_result_and_its_error() -> None:
+    problem = ValueError("the call's own error")
+
+    async def scenario() -> None:
+        async def answer(guard: _Guard) -> str:
+            return "answer"
+
+        async def fail(guard: _Guard) -> str:
+            raise problem
+
+        assert await _in_own_task(answer) == "answer"
+        with pytest.raises(ValueError) as caught:
+            await _in_own_task(fail)
+        assert caught.value is problem
+
+    run(scenario())
+
+
+def test_a_call_task_cancelled_before_it_ran_cancels_its_caller_and_runs_nothing() -> None:
+    """At shutdown asyncio.run cancels every task, a call's own task too, maybe before its
+    first step: the caller still ends, with the cancellation, and the call's coroutine
+    is closed unstarted (no 'never awaited' warning, which the tests turn into errors)."""
+    ran: list[bool] = []
+
+    async def scenario() -> None:
+        async def body(guard: _Guard) -> str:
+            ran.append(True)
+            return "answer"
+
+        caller = asyncio.ensure_future(_in_own_task(body))
+        await asyncio.sleep(0)  # the caller has created its call's task, not yet started
+        [own] = own_tasks()
+        own.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    run(scenario())
+    gc.collect()
+    assert ran == []
 
 
 # -- topology ---------------------------------------------------------------------------------

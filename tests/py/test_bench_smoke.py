@@ -112,6 +112,48 @@ def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
             assert len(by_round) == 1 and positive(by_round[0])
 
 
+def test_quick_run_of_the_other_benchmarks_reports_their_figures_and_checks(
+    base_dsn: str, redis_url: str, tmp_path: Path
+) -> None:
+    names = ("propagation", "cache_reads", "edge_pairs", "gateway_overhead")
+    benches = quick_bench(base_dsn, redis_url, tmp_path, *names)["benchmarks"]
+    assert set(benches) == set(names)
+
+    prop = benches["propagation"]
+    assert prop["figures"]["workers"] == 100
+    for side, key in (("figures", "p99_ms"), ("baseline", "raw_p99_ms")):
+        assert positive(prop[side][key])
+    assert positive(prop["baseline"]["raw_reader_p99_ms"])  # the floor of D42
+    assert isinstance(prop["pass"], bool)
+
+    reads = benches["cache_reads"]
+    assert positive(reads["figures"]["hits"]) and positive(reads["figures"]["hit_p50_us"])
+    assert reads["checks"]["round_trips_during_hits"] == 0
+    assert reads["checks"]["verifications_during_verified_reads"] > 0
+
+    edge = benches["edge_pairs"]
+    for mode in ("wal", "delete"):
+        assert positive(edge["figures"][f"pairs_per_s_{mode}"])
+        assert positive(edge["baseline"][f"sqlite_insert_commits_per_s_{mode}"])
+        assert edge["checks"][f"pairs_{mode}"] > 0
+
+    gateway = benches["gateway_overhead"]
+    for kind in ("asyncio", "threads"):
+        for clients in (1, 8):
+            key = f"{kind}_{clients}_clients"
+            # --quick: 200 calls a side, in two rounds; every call succeeded (the benchmark
+            # raises on any other outcome).
+            assert gateway["checks"][f"gateway_calls_{key}"] == 200
+            assert gateway["checks"][f"baseline_pairs_{key}"] == 200
+            for pct in ("p50", "p99"):
+                assert positive(gateway["figures"][f"gateway_{pct}_ms_{key}"])
+                assert positive(gateway["baseline"][f"pair_{pct}_ms_{key}"])
+                assert len(gateway["figures"][f"overhead_{pct}_ms_by_round_{key}"]) == 2
+    judged = [row for row in gateway["rows"] if row["result"] != "n/a"]
+    assert len(judged) == 4 and all("AsyncPgStore" in row["label"] for row in judged)
+    assert isinstance(gateway["pass"], bool)
+
+
 def test_alternating_rounds_reverse_the_order_every_other_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

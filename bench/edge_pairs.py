@@ -24,6 +24,7 @@ from bench.common import Result, Row, Settings, ratio
 from ql3.edge import EdgeStore
 from ql3.invocations import (
     Outcome,
+    PolicyBinding,
     Usage,
     admission_command,
     completion_command,
@@ -50,8 +51,11 @@ def ready_steps(store: Any, count: int) -> list[tuple[str, str]]:
     return out
 
 
-def admission_for(run_id: str, step_run_id: str, deadline: datetime) -> dict[str, Any]:
-    """The admission command of a new invocation on a ready model step."""
+def admission_for(
+    run_id: str, step_run_id: str, deadline: datetime, policy: PolicyBinding | None = None
+) -> dict[str, Any]:
+    """The admission command of a new invocation on a ready model step (under ``policy``,
+    which the admission fences against the active revision, when given)."""
     return admission_command(
         invocation_id=f"inv-{uuid.uuid4().hex}",
         request_id=f"req-{uuid.uuid4().hex}",
@@ -62,7 +66,7 @@ def admission_for(run_id: str, step_run_id: str, deadline: datetime) -> dict[str
         expected_step_run_version=1,
         provider="ollama",
         model="llama3.1:8b",
-        policy=None,
+        policy=policy,
         request_digest=request_digest(PROMPT),
         input_bytes=len(PROMPT),
         deadline_at=deadline,

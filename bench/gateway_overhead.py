@@ -6,8 +6,10 @@ in normal mode (a relay in this process sends heartbeats), the provider answered
 at once (no sockets), so what is left is the gateway's own work: policy lookup, request
 encoding and digest, admission, the provider adapter, completion. The baseline is the same
 two store calls without the gateway, ``admit_invocation`` then ``complete_invocation`` on
-the same store (its admission binds no policy: the database's policy fence counts as the
-gateway's overhead). Two stores (D24): ``AsyncPgStore`` (judged; the baseline awaits its calls
+the same store, under the same policy revision (SPEC 9: every call runs under a policy,
+which the admission fences against the active one; D43). A third side, diagnostic, on
+``AsyncPgStore`` only: the pair without a policy, so that the fence's own cost is shown
+(baseline minus that). Two stores (D24): ``AsyncPgStore`` (judged; the baseline awaits its calls
 on the loop) and ``PgStore`` (diagnostic; the gateway runs its calls in its store threads,
 the baseline in an executor with as many threads, ``STORE_THREADS``, the size of the
 store's pool). Ready model steps are created before the timed windows. The calls of each
@@ -33,7 +35,8 @@ from bench.cache_reads import wait_mode
 from bench.common import Result, Row, Settings, fresh_database, ms, percentile, ratio, verdict
 from bench.edge_pairs import admission_for, check_completed, completion_for
 from ql3.cache import RevisionCache
-from ql3.gateway import ModelCall, ModelGateway, deadline_in
+from ql3.gateway import POLICY_FAMILY, ModelCall, ModelGateway, deadline_in
+from ql3.invocations import PolicyBinding
 from ql3.providers import (
     TOPOLOGY_CONTRACT,
     TOPOLOGY_FAMILY,
@@ -56,6 +59,7 @@ TARGET_P99_MS = 8.0
 WARMUP = 20
 ROUNDS = 8  # the machine is noisy: each figure is a median over rounds (D43)
 ASYNC, THREADS = "asyncio", "threads"
+GATEWAY, BASELINE, UNFENCED = "gateway", "baseline", "unfenced"
 STORE_LABELS = {ASYNC: "AsyncPgStore", THREADS: "PgStore in store threads"}
 
 Step = tuple[str, str]
@@ -117,21 +121,24 @@ async def measure(dsn: str, redis_url: str, calls: int, rounds: int) -> dict[str
         with PgStore(dsn) as setup:
             await asyncio.to_thread(set_up_contracts, setup)
         async with RevisionCache(dsn, redis_url, channel_prefix=prefix) as cache:
-            await cache.get_effective(PROJECT, "policy_routing", POLICY)
             await wait_mode(cache, "normal")
             await asyncio.sleep(0.2)  # going normal re-verifies entries in the background
+            # The revision the gateway binds (the relay keeps the cache on the active one).
+            policy = PolicyBinding.of(await cache.get_effective(PROJECT, POLICY_FAMILY, POLICY))
             results: dict[str, Rounds] = {}
             async with AsyncPgStore(dsn, max_connections=STORE_THREADS) as async_store:
 
-                async def async_pair(step: Step) -> None:
-                    admitted = await async_store.admit_invocation(
-                        admission_for(step[0], step[1], deadline_in(60))
-                    )
-                    check_completed(await async_store.complete_invocation(completion_for(admitted)))
+                def pair_on_loop(bound: PolicyBinding | None) -> Callable[[Step], Awaitable[None]]:
+                    async def pair(step: Step) -> None:
+                        command = admission_for(step[0], step[1], deadline_in(60), bound)
+                        admitted = await async_store.admit_invocation(command)
+                        completed = await async_store.complete_invocation(completion_for(admitted))
+                        check_completed(completed)
 
-                results[ASYNC] = await measure_store(
-                    dsn, cache, async_store, async_pair, calls, rounds
-                )
+                    return pair
+
+                bare = {BASELINE: pair_on_loop(policy), UNFENCED: pair_on_loop(None)}
+                results[ASYNC] = await measure_store(dsn, cache, async_store, bare, calls, rounds)
             with (
                 PgStore(dsn, max_connections=STORE_THREADS) as store,
                 ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="bench-pair") as threads,
@@ -139,7 +146,7 @@ async def measure(dsn: str, redis_url: str, calls: int, rounds: int) -> dict[str
                 loop = asyncio.get_running_loop()
 
                 async def threaded_pair(step: Step) -> None:
-                    command = admission_for(step[0], step[1], deadline_in(60))
+                    command = admission_for(step[0], step[1], deadline_in(60), policy)
                     admitted = await loop.run_in_executor(threads, store.admit_invocation, command)
                     completed = await loop.run_in_executor(
                         threads, store.complete_invocation, completion_for(admitted)
@@ -147,7 +154,7 @@ async def measure(dsn: str, redis_url: str, calls: int, rounds: int) -> dict[str
                     check_completed(completed)
 
                 results[THREADS] = await measure_store(
-                    dsn, cache, store, threaded_pair, calls, rounds
+                    dsn, cache, store, {BASELINE: threaded_pair}, calls, rounds
                 )
     finally:
         await relay.stop()
@@ -158,13 +165,13 @@ async def measure_store(
     dsn: str,
     cache: RevisionCache,
     store: PgStore | AsyncPgStore,
-    raw_pair: Callable[[Step], Awaitable[None]],
+    raw_pairs: dict[str, Callable[[Step], Awaitable[None]]],
     calls: int,
     rounds: int,
 ) -> Rounds:
-    """The gateway over ``store`` against ``raw_pair`` (the same two calls on the same
-    store), in rounds with the two sides back to back in alternating order, so that drift
-    on a busy machine hits both sides of a round alike."""
+    """The gateway over ``store`` against ``raw_pairs`` (the same two calls on the same
+    store), in rounds with the sides back to back, the order reversed every other round,
+    so that drift on a busy machine hits every side of a round alike."""
     results: Rounds = {}
     async with ModelGateway(
         store,
@@ -187,22 +194,40 @@ async def measure_store(
             if result.completion["outcome"] != "succeeded":
                 raise RuntimeError(f"gateway: {result.completion['outcome']}")
 
-        sides: dict[str, Callable[[Step], Awaitable[None]]] = {
-            "gateway": via_gateway,
-            "baseline": raw_pair,
-        }
+        sides = {GATEWAY: via_gateway, **raw_pairs}
         for clients in CLIENT_COUNTS:
-            per: dict[str, list[list[float]]] = {"baseline": [], "gateway": []}
+            per: dict[str, list[list[float]]] = {name: [] for name in sides}
             for once in sides.values():  # warm-up
                 steps = await asyncio.to_thread(ready_steps, dsn, WARMUP * clients)
                 await latencies(clients, steps, once)
             for round_no in range(rounds):
-                order = ("baseline", "gateway") if round_no % 2 == 0 else ("gateway", "baseline")
+                order = list(sides) if round_no % 2 == 0 else list(reversed(sides))
                 for name in order:
                     steps = await asyncio.to_thread(ready_steps, dsn, calls // rounds)
                     per[name].append(await latencies(clients, steps, sides[name]))
             results[clients] = per
     return results
+
+
+def check_policies(dsn: str, measured: dict[str, Rounds]) -> dict[str, int]:
+    """Every start of the gateway and the baseline bound the policy, and none of the
+    unfenced side did (warm-up calls included); raises otherwise."""
+    expected = {"starts_with_policy": 0, "starts_without_policy": 0}
+    for by_clients in measured.values():
+        for clients, per in by_clients.items():
+            for side, runs in per.items():
+                field = "starts_without_policy" if side == UNFENCED else "starts_with_policy"
+                expected[field] += WARMUP * clients + sum(len(r) for r in runs)
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(policy_revision_id), count(*) - count(policy_revision_id)"
+            " FROM ql3_ai.model_invocation_starts"
+        ).fetchone()
+    assert row is not None
+    found = {"starts_with_policy": row[0], "starts_without_policy": row[1]}
+    if found != expected:
+        raise RuntimeError(f"policy bindings of the starts: {found}, expected {expected}")
+    return found
 
 
 def run(settings: Settings) -> Result:
@@ -216,17 +241,18 @@ def run(settings: Settings) -> Result:
     passed = True
     with fresh_database(settings.base_dsn, "gateway") as dsn:
         measured = asyncio.run(measure(dsn, settings.redis_url, calls, rounds))
+        checks.update(check_policies(dsn, measured))
     for kind, by_clients in measured.items():
         judged = kind == ASYNC
         for clients, per in by_clients.items():
             key = f"{kind}_{clients}_clients"
             clients_label = f"{clients} client{'s' if clients > 1 else ''}, {STORE_LABELS[kind]}"
-            checks[f"gateway_calls_{key}"] = sum(len(r) for r in per["gateway"])
-            checks[f"baseline_pairs_{key}"] = sum(len(r) for r in per["baseline"])
+            checks[f"gateway_calls_{key}"] = sum(len(r) for r in per[GATEWAY])
+            checks[f"baseline_pairs_{key}"] = sum(len(r) for r in per[BASELINE])
             for pct, target in (("p50", TARGET_P50_MS), ("p99", TARGET_P99_MS)):
                 q = float(pct[1:])
-                gw_rounds = [percentile(r, q) for r in per["gateway"]]
-                base_rounds = [percentile(r, q) for r in per["baseline"]]
+                gw_rounds = [percentile(r, q) for r in per[GATEWAY]]
+                base_rounds = [percentile(r, q) for r in per[BASELINE]]
                 over_rounds = [g - b for g, b in zip(gw_rounds, base_rounds, strict=True)]
                 g, b, over = median(gw_rounds), median(base_rounds), median(over_rounds)
                 figures[f"gateway_{pct}_ms_{key}"] = ms(g)
@@ -244,19 +270,42 @@ def run(settings: Settings) -> Result:
                             f"{ms(g):.2f} ms (overhead {ms(over):.2f} ms;"
                             f" rounds {ms(min(over_rounds)):.2f} to {ms(max(over_rounds)):.2f})"
                         ),
-                        baseline=f"{ms(b):.2f} ms admit+complete, same store",
+                        baseline=f"{ms(b):.2f} ms admit+complete, same store and policy",
                         ratio=ratios[f"{pct}_{key}"],
                         target=f"overhead <= {target:g} ms" if judged else "(diagnostic)",
                         result=verdict(ok) if judged else "n/a",
                     )
                 )
+                if UNFENCED in per:
+                    unfenced_rounds = [percentile(r, q) for r in per[UNFENCED]]
+                    pairs_by_round = zip(base_rounds, unfenced_rounds, strict=True)
+                    fence_rounds = [fenced - bare for fenced, bare in pairs_by_round]
+                    fence, unfenced = median(fence_rounds), median(unfenced_rounds)
+                    checks[f"unfenced_pairs_{key}"] = sum(len(r) for r in per[UNFENCED])
+                    baseline[f"unfenced_pair_{pct}_ms_{key}"] = ms(unfenced)
+                    figures[f"policy_fence_{pct}_ms_{key}"] = ms(fence)
+                    rows.append(
+                        Row(
+                            label=f"policy fence in the admission {pct}, {clients_label}",
+                            figure=(
+                                f"{ms(fence):.2f} ms (baseline minus the pair without a policy;"
+                                f" rounds {ms(min(fence_rounds)):.2f} to"
+                                f" {ms(max(fence_rounds)):.2f})"
+                            ),
+                            baseline=f"{ms(unfenced):.2f} ms admit+complete without a policy",
+                            ratio=ratio(b, unfenced),
+                            target="(diagnostic)",
+                            result="n/a",
+                        )
+                    )
     return Result(
         name="gateway_overhead",
         figures=figures,
         baseline=baseline,
         ratio=ratios,
         target=(
-            f"gateway minus raw pair: p50 <= {TARGET_P50_MS:g} ms and p99 <= {TARGET_P99_MS:g}"
+            f"gateway minus the raw pair under the same policy: p50 <= {TARGET_P50_MS:g} ms and"
+            f" p99 <= {TARGET_P99_MS:g}"
             f" ms, at {' and '.join(str(c) for c in CLIENT_COUNTS)} clients, on AsyncPgStore"
             " (the PgStore-in-threads rows are diagnostic)"
         ),

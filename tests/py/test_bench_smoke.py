@@ -152,6 +152,17 @@ def test_quick_run_of_the_other_benchmarks_reports_their_figures_and_checks(
     judged = [row for row in gateway["rows"] if row["result"] != "n/a"]
     assert len(judged) == 4 and all("AsyncPgStore" in row["label"] for row in judged)
     assert isinstance(gateway["pass"], bool)
+    # The baseline binds the gateway's policy; the pair without one shows the fence's cost
+    # (on AsyncPgStore only). The benchmark counted the starts of each kind (it raises
+    # when they differ from the calls made, warm-ups included).
+    for clients in (1, 8):
+        key = f"asyncio_{clients}_clients"
+        assert gateway["checks"][f"unfenced_pairs_{key}"] == 200
+        assert positive(gateway["baseline"][f"unfenced_pair_p50_ms_{key}"])
+        assert isinstance(gateway["figures"][f"policy_fence_p50_ms_{key}"], float)
+    warm_ups = 20 * (1 + 8)  # per side and store kind
+    assert gateway["checks"]["starts_without_policy"] == 2 * 200 + warm_ups
+    assert gateway["checks"]["starts_with_policy"] == 2 * 2 * (2 * 200 + warm_ups)
 
 
 def test_alternating_rounds_reverse_the_order_every_other_round(

@@ -494,17 +494,18 @@ class _Guard:
 _T = TypeVar("_T")
 
 
-async def _in_own_task(body: Callable[[_Guard], Coroutine[Any, Any, _T]]) -> _T:
-    """Run ``body`` as a task of its own and wait for its end.
+async def _own_task_ended(
+    body: Callable[[_Guard], Coroutine[Any, Any, _T]], guard: _Guard
+) -> asyncio.Task[_T]:
+    """Run ``body`` as a task of its own and wait for its end; the task, done.
 
-    A cancellation of the caller cancels the task only where ``body`` marks itself
-    interruptible; elsewhere (a store call and what follows from its answer) it is noted in
-    the guard for ``body`` to act on, and raised here once the task has ended. One task per
-    call, not one per store call: on a loop shared by many calls, every hop through the
-    loop's queue waits behind the work of every other call (D43).
+    A cancellation of the caller cancels the task only while ``guard.interruptible``;
+    otherwise it is only noted in ``guard.cancelled``, for ``body`` to act on, and the
+    wait starts over on a new future. The task's last step completes that future (one loop
+    pass fewer than a done callback or ``shield``). A task cancelled before its first step
+    (loop shutdown) never runs ``body``, whose coroutine is then closed unstarted.
     """
     loop = asyncio.get_running_loop()
-    guard = _Guard(own_task=True)
     waiter: asyncio.Future[None] = loop.create_future()
 
     def wake(_: object = None) -> None:
@@ -529,7 +530,22 @@ async def _in_own_task(body: Callable[[_Guard], Coroutine[Any, Any, _T]]) -> _T:
                 task.cancel()
             waiter = loop.create_future()
     if task.cancelled():
-        coro.close()  # never started if the task was cancelled before its first step
+        coro.close()  # a no-op unless it never started
+    return task
+
+
+async def _in_own_task(body: Callable[[_Guard], Coroutine[Any, Any, _T]]) -> _T:
+    """Run a whole call as a task of its own (``_own_task_ended``); its result or error.
+
+    The caller's cancellation interrupts the call only where ``body`` marks itself
+    interruptible; elsewhere (a store call and what follows from its answer) ``body`` sees
+    it noted in the guard, and it is raised here once the call has ended. One task per
+    call, not one per store call: on a loop shared by many calls, every hop through the
+    loop's queue waits behind the work of every other call (D43).
+    """
+    guard = _Guard(own_task=True)
+    task = await _own_task_ended(body, guard)
+    if task.cancelled():
         raise asyncio.CancelledError
     error = task.exception()  # retrieved either way: a cancellation wins
     if guard.cancelled:
@@ -540,45 +556,18 @@ async def _in_own_task(body: Callable[[_Guard], Coroutine[Any, Any, _T]]) -> _T:
 
 
 async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
-    """``_run_to_end`` for a store coroutine, run as a task of its own on this loop.
-
-    The task's result is the call's end, and its last step completes the caller's waiter
-    (one loop pass fewer than a done callback or ``shield``). A cancellation of the
-    caller cancels only its waiter, never the call, and the wait starts over on a new one.
-    A call cancelled from outside (loop shutdown) has an unknown outcome.
-    """
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[None] = loop.create_future()
-
-    def wake(_: object = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    async def run() -> _Finished:
-        try:
-            return _Finished(await call, None, False)
-        except Exception as exc:
-            return _Finished(None, exc, False)
-        finally:
-            wake()  # the task is done by the time the caller resumes
-
-    running = loop.create_task(run())
-    # A task cancelled before its first step never runs run(): its end wakes us all the same.
-    running.add_done_callback(wake)
-    cancelled = False
-    while not running.done():
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            cancelled = True  # only our wait was cancelled: the task runs on
-            waiter = loop.create_future()
-    if running.cancelled():  # not by us (loop shutdown): the outcome is unknown here
+    """``_run_to_end`` for a store coroutine, run as a task of its own on this loop (a
+    stream's store calls). A cancellation of the caller never reaches the call; a call
+    cancelled from outside (loop shutdown) has an unknown outcome."""
+    guard = _Guard(own_task=True, interruptible=False)
+    task = await _own_task_ended(lambda guard: _awaited_to_end(call, guard), guard)
+    if task.cancelled():  # not by us (loop shutdown): the outcome is unknown here
         if inspect.iscoroutine(call):
             call.close()  # never started if the task was cancelled before its first step
         error = errors.Unavailable("QL3_UNAVAILABLE: the store call was cancelled")
         return _Finished(None, error, True)
-    done = running.result()
-    return _Finished(done.value, done.error, cancelled)
+    done = task.result()
+    return _Finished(done.value, done.error, guard.cancelled)
 
 
 async def _awaited_to_end(call: Awaitable[Mapping[str, Any]], guard: _Guard) -> _Finished:

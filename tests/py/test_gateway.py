@@ -793,6 +793,37 @@ def test_lost_commit_response_is_audit_unavailable_then_existing_then_recovered_
     assert world.provider.calls == 0
 
 
+OWN_TASK = "_own_task_ended.<locals>.run"
+
+
+def own_tasks() -> list[asyncio.Task[Any]]:
+    """The tasks the gateway runs a call or a store call in."""
+    return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == OWN_TASK]
+
+
+def test_a_store_call_task_runs_to_its_end_when_its_caller_is_cancelled() -> None:
+    """A stream's store call (a task of its own): the caller's cancellation is reported
+    with the call's answer, never passed on to the call."""
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def call() -> Mapping[str, Any]:
+            await gate.wait()
+            return {"status": "created"}
+
+        waiting = asyncio.ensure_future(_task_to_end(call()))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.sleep(0.01)
+        assert not waiting.done(), "the cancellation reached the store call"
+        gate.set()
+        done = await waiting
+        assert (done.value, done.error, done.cancelled) == ({"status": "created"}, None, True)
+
+    run(scenario())
+
+
 def test_an_asyncio_store_call_cancelled_from_outside_is_an_unavailable_call() -> None:
     """asyncio.run cancels every task at shutdown, the gateway's store-call tasks too: the
     wait then reports an unknown store outcome (and a cancellation), never a value."""
@@ -819,22 +850,13 @@ def test_a_store_call_task_cancelled_before_it_ran_is_an_unavailable_call() -> N
 
         waiting = asyncio.ensure_future(_task_to_end(call()))
         await asyncio.sleep(0)  # the wait has created the store-call task, not yet started
-        runner = "_task_to_end.<locals>.run"
-        tasks = asyncio.all_tasks()
-        [store_task] = [t for t in tasks if getattr(t.get_coro(), "__qualname__", "") == runner]
+        [store_task] = own_tasks()
         store_task.cancel()
         done = await waiting
         assert isinstance(done.error, Unavailable)
         assert (done.value, done.cancelled) == (None, True)
 
     run(scenario())
-
-
-OWN_TASK = "_in_own_task.<locals>.run"
-
-
-def own_tasks() -> list[asyncio.Task[Any]]:
-    return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == OWN_TASK]
 
 
 def test_a_call_in_its_own_task_runs_its_uninterruptible_part_to_the_end_when_cancelled() -> None:

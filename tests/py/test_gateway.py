@@ -15,6 +15,7 @@ import gc
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -574,6 +575,77 @@ def test_caller_cancelled_during_the_completion_write_waits_for_it_then_cancels(
 
 
 # -- provider outcomes -----------------------------------------------------------------------
+
+
+CANCEL_AFTER = (0.0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.015, 0.03, 0.045, 0.2)
+"""Seconds from a call's start to its caller's cancellation: before the call's first step,
+during the policy lookup and the admission, during the provider's 50 ms, and after."""
+
+
+def test_a_caller_cancelled_at_any_moment_ends_with_every_start_settled_as_what_happened(
+    world: World,
+) -> None:
+    """Calls cancelled after each delay of CANCEL_AFTER, twice, in a shuffled order. Each
+    one ends with its answer or with the cancellation, and by then its start (if it was
+    admitted) has its completion. The completion says what happened: a call that failed
+    before the call never reached the provider, a lost one was cancelled, a succeeded one
+    reached it, and a caller that got the answer has a succeeded call."""
+    world.provider.script = slow(0.05)
+    delays = list(CANCEL_AFTER) * 2
+    random.Random(43).shuffle(delays)
+    ended: list[tuple[ModelCall, str, dict[str, Any] | None, int]] = []
+
+    async def scenario() -> None:
+        async with harness(world) as h:
+            for i, delay in enumerate(delays):
+                step = await asyncio.to_thread(world.ops.add_step_run, world.run_id, "model")
+                message = {"role": "user", "content": f"call {i}"}
+                call = world.call(step_run_id=step, messages=[message])
+                task = asyncio.create_task(h.gateway.invoke(call))
+                await asyncio.sleep(delay)
+                task.cancel()
+                try:
+                    await task
+                    how = "answer"
+                except asyncio.CancelledError:
+                    how = "cancelled"
+                completion = await asyncio.to_thread(world.completion, call.invocation_id)
+                starts = await asyncio.to_thread(
+                    world.query,
+                    "SELECT count(*) AS n FROM ql3_ai.model_invocation_starts"
+                    " WHERE invocation_id = %s",
+                    call.invocation_id,
+                )
+                ended.append((call, how, completion, int(starts[0]["n"])))
+
+    run(scenario(), timeout=60.0)
+    seen = {str(r.doc["messages"][0]["content"]) for r in world.provider.requests if r.doc}
+    kinds: set[str] = set()
+    for call, how, completion, starts in ended:
+        sent = call.messages[0]["content"] in seen
+        if completion is None:
+            assert (how, sent, starts) == ("cancelled", False, 0), call.invocation_id
+            kinds.add("not admitted")
+            continue
+        outcome, code = str(completion["outcome"]), str(completion["result_code"])
+        expected_code = {
+            "succeeded": "ok",
+            "lost": "outcome_unknown",  # cancelled once the provider call had begun
+            "failed": "cancelled_before_call",
+        }
+        assert expected_code.get(outcome) == code, (outcome, code)
+        if outcome == "failed":
+            assert (how, sent) == ("cancelled", False), call.invocation_id
+        if outcome == "lost":
+            assert how == "cancelled", call.invocation_id
+        if outcome == "succeeded":
+            assert sent, call.invocation_id
+        if how == "answer":
+            assert outcome == "succeeded", call.invocation_id
+        kinds.add(outcome if how == "cancelled" else how)
+    assert world.unsettled_starts() == 0
+    # The delays reach the provider call and the end at least (the others are timing's).
+    assert {"lost", "answer"} <= kinds, kinds
 
 
 def test_caller_cancel_during_the_provider_call_is_lost_outcome_unknown(world: World) -> None:

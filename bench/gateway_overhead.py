@@ -314,12 +314,17 @@ def run(settings: Settings) -> Result:
         checks=checks,
         notes=[
             f"{calls} calls per side and client count, in {rounds} rounds with the sides back"
-            f" to back in alternating order, after {WARMUP} warm-up calls per client; ready"
-            " steps created outside the timings",
+            f" to back, the order reversed every other round, after {WARMUP} warm-up calls"
+            " per client; ready steps created outside the timings",
+            "baseline: the same two store calls under the policy revision the gateway binds"
+            " (every start's binding is counted: checks starts_with_policy and"
+            " starts_without_policy); the policy fence rows compare it with the pair without"
+            " a policy, on AsyncPgStore",
             "provider: OpenAICompatibleProvider with ql3.stub_provider.instant_transport"
             " (in-process, no sockets); cache in normal mode (relay heartbeats)",
             "each figure is the median over the rounds of that round's percentile; overhead ="
             " the median over the rounds of (gateway percentile - baseline percentile) in the"
-            " round, not a per-call difference; the ratio column is gateway / baseline",
+            " round, not a per-call difference; the ratio column is gateway / baseline (for"
+            " the policy fence rows, baseline / the pair without a policy)",
         ],
     )

@@ -560,7 +560,7 @@ async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
     stream's store calls). A cancellation of the caller never reaches the call; a call
     cancelled from outside (loop shutdown) has an unknown outcome."""
     guard = _Guard(own_task=True, interruptible=False)
-    task = await _own_task_ended(lambda guard: _awaited_to_end(call, guard), guard)
+    task = await _own_task_ended(lambda own: _awaited_to_end(call, own), guard)
     if task.cancelled():  # not by us (loop shutdown): the outcome is unknown here
         if inspect.iscoroutine(call):
             call.close()  # never started if the task was cancelled before its first step

@@ -1000,6 +1000,35 @@ def test_a_call_in_its_own_task_passes_on_its_result_and_its_error() -> None:
     run(scenario())
 
 
+def test_a_cancelled_caller_gets_the_cancellation_over_its_calls_error() -> None:
+    """The call ended with an error after its caller was cancelled: the caller gets the
+    cancellation, and the error is taken from the task (asyncio would otherwise report
+    'Task exception was never retrieved')."""
+    reported: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        gate = asyncio.Event()
+
+        async def body(guard: _Guard) -> str:
+            guard.interruptible = False
+            await gate.wait()
+            raise ValueError("the call's own error")
+
+        caller = asyncio.create_task(_in_own_task(body))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        await asyncio.sleep(0.01)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        del caller
+        gc.collect()
+
+    run(scenario())
+    assert reported == []
+
+
 def test_a_call_task_cancelled_before_it_ran_cancels_its_caller_and_runs_nothing() -> None:
     """At shutdown asyncio.run cancels every task, a call's own task too, maybe before its
     first step: the caller still ends, with the cancellation, and the call's coroutine

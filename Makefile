@@ -4,19 +4,35 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+LOCK := requirements/dev.txt
+BENCH_LOCK := requirements/bench.txt
+UV_VERSION := 0.13.9
+UV_COMPILE := .tmp/lock-tool/bin/uv pip compile pyproject.toml --quiet --universal \
+	--python-version 3.11 --generate-hashes
 
-.PHONY: setup system-packages demo test test-sql test-py lint bench db-up db-down clean
+.PHONY: lock setup system-packages demo test test-sql test-py lint bench db-up db-down clean
 
 setup: system-packages $(VENV)/.installed
 
 system-packages:
 	@scripts/ensure-system-packages
 
-$(VENV)/.installed: pyproject.toml
+# The venv holds exactly the lock (requirements/dev.txt: every package at one version, with
+# hashes) and ql3 itself, editable; it is built anew whenever the lock changes.
+$(VENV)/.installed: $(LOCK) pyproject.toml
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
+
+# `make lock` re-resolves the locks from pyproject.toml's ranges with uv, itself pinned and
+# kept out of the project's venv. Commit the changed requirements/*.txt.
+lock:
+	$(PYTHON) -m venv .tmp/lock-tool
+	.tmp/lock-tool/bin/pip install -q uv==$(UV_VERSION)
+	$(UV_COMPILE) --extra all --extra dev -o $(LOCK)
+	$(UV_COMPILE) --extra all --extra dev --extra bench -o $(BENCH_LOCK)
 
 demo: setup
 	$(PY) -m ql3.demo $(if $(DSN),--dsn '$(DSN)')
@@ -39,9 +55,12 @@ lint: setup
 # Benchmarks start their own servers with PostgreSQL's durable defaults (fsync on), unlike
 # the tests; set QL3_TEST_DSN / QL3_TEST_REDIS_URL to measure existing servers instead.
 # The `bench` extra adds DBOS Transact, the peer the pairs benchmark is compared with.
-bench: setup
-	$(BIN)/pip install -q -e '.[dev,bench]'
+bench: setup $(VENV)/.bench-installed
 	$(PY) -m bench
+
+$(VENV)/.bench-installed: $(BENCH_LOCK) $(VENV)/.installed
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(BENCH_LOCK)
+	touch $@
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -84,7 +84,7 @@ async def count_messages(url: str, channel: str, expect: int, idle: float) -> No
         elif time.monotonic() - last > idle:
             break
     say("count", received)
-    await pubsub.aclose()  # type: ignore[no-untyped-call]
+    await pubsub.aclose()
     await client.aclose()
 
 
@@ -139,7 +139,7 @@ async def raw_subscribers(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     for p in pubsubs:
-        await p.aclose()  # type: ignore[no-untyped-call]
+        await p.aclose()
     for c in clients:
         await c.aclose()
     for conn in conns:

@@ -843,7 +843,7 @@ class RevisionCache:
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+                        await pubsub.aclose()
             await asyncio.sleep(backoff_delay(failures, initial=0.05, cap=2.0))
 
     def _on_subscribed(self) -> None:

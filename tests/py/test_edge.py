@@ -344,7 +344,7 @@ def test_the_relay_publishes_to_redis_on_the_postgresql_channels(
     store: EdgeStore, redis_url: str
 ) -> None:
     client = redis.Redis.from_url(redis_url)
-    pubsub = client.pubsub()  # type: ignore[no-untyped-call]  # untyped in redis-py
+    pubsub = client.pubsub()
     pubsub.psubscribe("platform:contract:invalidate:*")
     first = pubsub.get_message(timeout=5)
     assert first is not None and first["type"] == "psubscribe"

@@ -12,7 +12,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY python ./python
 COPY sql ./sql
-RUN pip install . \
+RUN pip install '.[all]' \
     && rm -rf /src \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin ql3
 

@@ -34,10 +34,15 @@ lock:
 	$(UV_COMPILE) --extra all --extra dev -o $(LOCK)
 	$(UV_COMPILE) --extra all --extra dev --extra bench -o $(BENCH_LOCK)
 
+# The Node.js client test's packages, exactly as its package-lock.json pins them.
+NODE_CLIENT := tests/clients/node
+$(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
+	cd $(NODE_CLIENT) && npm ci --no-audit --no-fund --loglevel=error
+
 demo: setup
 	$(PY) -m ql3.demo $(if $(DSN),--dsn '$(DSN)')
 
-test: setup lint
+test: setup lint $(NODE_CLIENT)/node_modules/.package-lock.json
 	$(PY) tests/servers.py -- scripts/run-tests
 
 test-sql: setup

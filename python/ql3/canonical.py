@@ -3,7 +3,7 @@
 This is the Python twin of ``sql/core/0001_canonical.sql``: RFC 8785 (JCS) through the
 ``rfc8785`` package, after checking the ql3 rules that package does not enforce (numbers
 within +-(2^53-1), integral or not; no U+0000 and no lone surrogate in any string or key;
-at most ``MAX_DEPTH`` nested containers). ``shared/vectors/*.json`` hold both
+at most ``MAX_DEPTH`` nested containers). ``tests/vectors/*.json`` hold both
 implementations, and the SQLite shim built on this module, to the same bytes.
 """
 

@@ -1,6 +1,6 @@
 """Canonical JSON, digests and identities (SPEC section 2), in Python and in PL/pgSQL.
 
-Every shared vector runs through ``ql3.canonical`` and through the SQL functions of
+Every vector (tests/vectors) runs through ``ql3.canonical`` and through the SQL functions of
 ``sql/core/0001_canonical.sql``; hypothesis then checks the JCS properties and that the two
 implementations agree byte for byte on generated values.
 """
@@ -33,17 +33,18 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 
 
 def vectors_dir() -> Path:
+    """The vendored vectors (tests/vectors), or the folder QL3_VECTORS_DIR names."""
     configured = os.environ.get("QL3_VECTORS_DIR")
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parents[3] / "shared" / "vectors"
+    return REPO / "tests" / "vectors"
 
 
 def load_vectors(name: str) -> list[dict[str, Any]]:
     # A missing vector file fails the run (at collection); it must never skip silently.
     path = vectors_dir() / name
     if not path.is_file():
-        pytest.fail(f"shared vectors not found: {path} (set QL3_VECTORS_DIR)", pytrace=False)
+        pytest.fail(f"vectors not found: {path} (QL3_VECTORS_DIR)", pytrace=False)
     loaded = json.loads(path.read_text(encoding="utf-8"))
     assert isinstance(loaded, list) and loaded, f"{path} holds no vectors"
     return cast(list[dict[str, Any]], loaded)

@@ -6,7 +6,7 @@ modes) are one store (SPEC sections 10 and 11, River's driver conformance suite)
 - ``test_pinned_clocks_give_byte_identical_records`` builds all three stores in one test,
   pins their clocks (PostgreSQL: ``ql3._now()``, core 0004) and requires the records and
   their digests PostgreSQL writes to be exactly those of both SQLite files.
-- Every shared vector (``shared/vectors/*.json``) runs through the store's own paths:
+- Every shared vector (``tests/vectors/*.json``) runs through the store's own paths:
   ``body_hash`` of ``put_revision``, the shim's command/record digest, and the identities
   admission, completion and resolution store.
 """

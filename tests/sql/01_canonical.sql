@@ -1,12 +1,12 @@
 -- Canonical JSON, digests and identities (SPEC section 2): every shared vector through
 -- ql3.parse_json, ql3.jcs, ql3.digest, ql3.mutation_id, ql3.event_id and ql3.dedupe_key,
 -- then the ql3 rules at their edges. pg_prove runs from the repository root, so the
--- vectors are at ../shared/vectors unless QL3_VECTORS_DIR says otherwise.
+-- vectors are at tests/vectors unless QL3_VECTORS_DIR says otherwise.
 BEGIN;
 
-\set jcs_vectors `cat "${QL3_VECTORS_DIR:-../shared/vectors}/jcs.json"`
-\set digest_vectors `cat "${QL3_VECTORS_DIR:-../shared/vectors}/digest.json"`
-\set identity_vectors `cat "${QL3_VECTORS_DIR:-../shared/vectors}/identity.json"`
+\set jcs_vectors `cat "${QL3_VECTORS_DIR:-tests/vectors}/jcs.json"`
+\set digest_vectors `cat "${QL3_VECTORS_DIR:-tests/vectors}/digest.json"`
+\set identity_vectors `cat "${QL3_VECTORS_DIR:-tests/vectors}/identity.json"`
 
 CREATE TEMPORARY TABLE jcs_vectors ON COMMIT DROP AS
 SELECT

@@ -365,7 +365,7 @@ SELECT * FROM tests.rejects(
     'Q3C02', 'a revision of another contract is never the active one of this contract'
 );
 
--- Stored identities equal the shared vectors (shared/vectors/identity.json), including
+-- Stored identities equal the shared vectors (tests/vectors/identity.json), including
 -- the longest invocation_id allowed.
 
 SELECT is(

@@ -322,7 +322,7 @@ SELECT results_eq(
     'after every refused resolution inv-r8 is still lost at version 3, with no resolution and no resolution event'
 );
 
--- Identities of the vector invocation across all three phases (shared/vectors/identity.json).
+-- Identities of the vector invocation across all three phases (tests/vectors/identity.json).
 
 SELECT is(
     ql3_ai.resolve_invocation(tests.resolution('7b0c6f7e-2d7e-4a53-9a55-0c8f3c1c2a11', 'cancel')) ->> 'status',

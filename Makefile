@@ -42,14 +42,17 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package-lock.json
 demo: setup
 	$(PY) -m ql3.demo $(if $(DSN),--dsn '$(DSN)')
 
+# pytest runs everything: pytest-postgresql starts a throwaway cluster (or uses
+# QL3_TEST_DSN), tests/py/test_pgtap.py runs the pgTAP files through pg_prove against it,
+# and tests/py/test_node_client.py the Node.js client test.
 test: setup lint $(NODE_CLIENT)/node_modules/.package-lock.json
-	$(PY) tests/servers.py -- scripts/run-tests
+	$(BIN)/pytest -q tests/py
 
 test-sql: setup
-	$(PY) tests/servers.py -- scripts/run-tests sql
+	$(BIN)/pytest -q tests/py/test_pgtap.py
 
-test-py: setup
-	$(PY) tests/servers.py -- scripts/run-tests py
+test-py: setup $(NODE_CLIENT)/node_modules/.package-lock.json
+	$(BIN)/pytest -q tests/py --ignore=tests/py/test_pgtap.py
 
 lint: setup
 	$(BIN)/sqlfluff lint --dialect postgres --processes 2 sql tests/sql
@@ -67,5 +70,13 @@ $(VENV)/.bench-installed: $(BENCH_LOCK) $(VENV)/.installed
 	$(BIN)/pip install -q --require-hashes --no-deps -r $(BENCH_LOCK)
 	touch $@
 
-clean:
+# Development servers on loopback that outlive the command: PostgreSQL with a migrated
+# database `ql3`, and Redis. db-up prints their settings (also in .tmp/devservers/env).
+db-up: setup
+	@$(PY) -m ql3.devservers up .tmp/devservers
+
+db-down: setup
+	@$(PY) -m ql3.devservers down .tmp/devservers
+
+clean: db-down
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,8 +1,11 @@
-"""Throwaway PostgreSQL and Redis servers on free loopback ports, for tests and the demo.
+"""Throwaway PostgreSQL and Redis servers on free loopback ports, for the demo, the
+benchmarks, fault tests that restart a server, and development.
 
-``python -m ql3.devservers -- CMD ...`` (or ``tests/servers.py``) starts both, exports
-``QL3_TEST_DSN`` (superuser, database ``ql3_test``) and ``QL3_TEST_REDIS_URL``, runs CMD
-and removes the servers afterwards. As root, PostgreSQL runs as the ``postgres`` system
+``python -m ql3.devservers -- CMD ...`` starts both, exports ``QL3_TEST_DSN`` (superuser,
+database ``ql3_test``) and ``QL3_TEST_REDIS_URL``, runs CMD and removes the servers
+afterwards; ``up`` and ``down`` (``make db-up`` / ``make db-down``) start servers that
+outlive the command and stop them. The test suite's own PostgreSQL comes from
+pytest-postgresql (tests/py/fix_servers.py). As root, PostgreSQL runs as the ``postgres`` system
 user because ``initdb`` and ``postgres`` refuse to run as root. When ``QL3_TEST_DSN`` /
 ``QL3_TEST_REDIS_URL`` are already set, the existing servers are used and nothing starts.
 """
@@ -10,6 +13,7 @@ user because ``initdb`` and ``postgres`` refuse to run as root. When ``QL3_TEST_
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -208,11 +212,82 @@ def test_servers(*, durable: bool = False) -> Iterator[tuple[str, str]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def up(state_dir: Path) -> int:
+    """Start development servers that outlive this process (``make db-up``): PostgreSQL with
+    a database ``ql3`` migrated with both streams, and Redis. Prints their settings and
+    writes them to ``state_dir/env``; ``down`` stops them."""
+    state_file = state_dir / "servers.json"
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        if _pid_alive(state["postgres_pid"]) and _pid_alive(state["redis_pid"]):
+            print((state_dir / "env").read_text(), end="")
+            return 0
+        down(state_dir)
+    from ql3.migrate import migrate  # needs the postgres extra; the edge shim does not
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # The data live under the system's temporary directory, which the postgres user can
+    # reach wherever the checkout is; the state stays in state_dir.
+    root = Path(tempfile.mkdtemp(prefix="ql3-dev-"))
+    pg = start_postgres(root)
+    rd = start_redis(root)
+    dsn = create_database(pg, "ql3")
+    migrate(dsn, with_ai=True)
+    assert pg.proc is not None and rd.proc is not None
+    state = {"root": str(root), "postgres_pid": pg.proc.pid, "redis_pid": rd.proc.pid}
+    state_file.write_text(json.dumps(state))
+    env = f"export QL3_DSN={dsn}\nexport QL3_REDIS_URL={rd.url}\n"
+    (state_dir / "env").write_text(env)
+    print(env, end="")
+    print(f"# stop them with: make db-down   (settings in {state_dir / 'env'})", file=sys.stderr)
+    return 0
+
+
+def down(state_dir: Path) -> int:
+    """Stop the servers ``up`` started and remove their files."""
+    state_file = state_dir / "servers.json"
+    if not state_file.exists():
+        print("no development servers are running", file=sys.stderr)
+        return 0
+    state = json.loads(state_file.read_text())
+    for key, sig in (("redis_pid", signal.SIGKILL), ("postgres_pid", signal.SIGINT)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(state[key], sig)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        _pid_alive(state[key]) for key in ("redis_pid", "postgres_pid")
+    ):
+        time.sleep(0.05)
+    shutil.rmtree(state["root"], ignore_errors=True)
+    state_file.unlink()
+    (state_dir / "env").unlink(missing_ok=True)
+    print("development servers stopped", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    """``up [DIR]`` / ``down [DIR]`` (``make db-up`` / ``db-down``), or ``-- CMD ...``: run
+    CMD with throwaway servers in ``QL3_TEST_DSN`` and ``QL3_TEST_REDIS_URL``."""
+    if argv and argv[0] in ("up", "down"):
+        state_dir = Path(argv[1] if len(argv) > 1 else ".tmp/devservers")
+        return up(state_dir) if argv[0] == "up" else down(state_dir)
     if "--" in argv:
         argv = argv[argv.index("--") + 1 :]
     if not argv:
-        print("usage: python -m ql3.devservers -- CMD [ARGS...]", file=sys.stderr)
+        print(
+            "usage: python -m ql3.devservers up|down [DIR]  |  -- CMD [ARGS...]",
+            file=sys.stderr,
+        )
         return 2
     with test_servers() as (dsn, redis_url):
         env = dict(os.environ, QL3_TEST_DSN=dsn, QL3_TEST_REDIS_URL=redis_url)

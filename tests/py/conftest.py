@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from fix_logging import root_logging
-from fix_servers import base_dsn, db_dsn, fresh_db, migrated_template, redis_url, test_servers
+from fix_servers import base_dsn, db_dsn, fresh_db, migrated_template, postgresql_server, redis_url
 from fix_stores import store
 
 __all__ = [
@@ -9,8 +9,8 @@ __all__ = [
     "db_dsn",
     "fresh_db",
     "migrated_template",
+    "postgresql_server",
     "redis_url",
     "root_logging",
     "store",
-    "test_servers",
 ]

@@ -1,37 +1,95 @@
-"""Session-wide PostgreSQL and Redis for pytest: the configured ones or throwaway ones."""
+"""Session-wide PostgreSQL and Redis for pytest: the configured ones or throwaway ones.
+
+PostgreSQL comes from pytest-postgresql: its process fixture starts a throwaway cluster
+(through tests/bin/pg_ctl, which runs pg_ctl as the ``postgres`` user when pytest runs as
+root), or, when ``QL3_TEST_DSN`` names a superuser DSN, its no-process fixture uses that
+server. Redis is a throwaway ``redis-server`` unless ``QL3_TEST_REDIS_URL`` names one.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pytest_postgresql import factories
+from pytest_postgresql.executors import NoopExecutor, PostgreSQLExecutor
 
 from ql3 import devservers as servers
 
 _counter = itertools.count()
 
+PG_CTL = Path(__file__).resolve().parents[1] / "bin" / "pg_ctl"
+BASE_DBNAME = "ql3_test"
+# The tests trade durability for speed (pytest-postgresql already passes -F, fsync off).
+_SERVER_OPTIONS = (
+    "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
+    "-c shared_buffers=256MB -c log_min_messages=fatal"
+)
+
+
+def _postgresql_server_factory() -> Callable[..., Iterator[PostgreSQLExecutor | NoopExecutor]]:
+    configured = os.environ.get("QL3_TEST_DSN")
+    if configured:
+        params = conninfo_to_dict(configured)
+        return factories.postgresql_noproc(
+            host=str(params.get("host", "127.0.0.1")),
+            port=str(params.get("port", "5432")),
+            user=str(params.get("user", "postgres")),
+            password=params.get("password"),  # type: ignore[arg-type]
+            dbname=str(params.get("dbname", BASE_DBNAME)),
+        )
+    return factories.postgresql_proc(
+        executable=str(PG_CTL),
+        host="127.0.0.1",
+        port=None,
+        user="postgres",
+        dbname=BASE_DBNAME,
+        postgres_options=_SERVER_OPTIONS,
+    )
+
+
+postgresql_server = _postgresql_server_factory()
+
 
 @pytest.fixture(scope="session")
-def test_servers() -> Iterator[tuple[str, str]]:
-    with servers.test_servers() as pair:
-        yield pair
+def base_dsn(postgresql_server: PostgreSQLExecutor | NoopExecutor) -> str:
+    """A superuser DSN: QL3_TEST_DSN as given, or database ql3_test of the throwaway cluster."""
+    configured = os.environ.get("QL3_TEST_DSN")
+    if configured:
+        return configured
+    server = postgresql_server
+    admin = make_conninfo(
+        host=server.host, port=server.port, user=server.user, dbname=server.maintenance_dbname
+    )
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(BASE_DBNAME)))
+    return f"postgresql://{server.user}@{server.host}:{server.port}/{BASE_DBNAME}"
 
 
 @pytest.fixture(scope="session")
-def base_dsn(test_servers: tuple[str, str]) -> str:
-    """A superuser DSN (QL3_TEST_DSN or the throwaway cluster)."""
-    return test_servers[0]
-
-
-@pytest.fixture(scope="session")
-def redis_url(test_servers: tuple[str, str]) -> str:
-    return test_servers[1]
+def redis_url() -> Iterator[str]:
+    """QL3_TEST_REDIS_URL, or a throwaway redis-server removed after the session."""
+    configured = os.environ.get("QL3_TEST_REDIS_URL")
+    if configured:
+        yield configured
+        return
+    root = Path(tempfile.mkdtemp(prefix="ql3-test-redis-"))
+    server = servers.start_redis(root)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def with_dbname(dsn: str, dbname: str) -> str:

@@ -7,6 +7,20 @@ BEGIN;
 \set jcs_vectors `cat "${QL3_VECTORS_DIR:-tests/vectors}/jcs.json"`
 \set digest_vectors `cat "${QL3_VECTORS_DIR:-tests/vectors}/digest.json"`
 \set identity_vectors `cat "${QL3_VECTORS_DIR:-tests/vectors}/identity.json"`
+-- The RFC 8785 reference implementation's test data. psql drops one trailing newline of
+-- a backquoted command's output and keeps every other byte (the output files have none).
+\set rfc8785_arrays_in `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/input/arrays.json"`
+\set rfc8785_arrays_out `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/output/arrays.json"`
+\set rfc8785_french_in `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/input/french.json"`
+\set rfc8785_french_out `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/output/french.json"`
+\set rfc8785_structures_in `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/input/structures.json"`
+\set rfc8785_structures_out `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/output/structures.json"`
+\set rfc8785_unicode_in `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/input/unicode.json"`
+\set rfc8785_unicode_out `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/output/unicode.json"`
+\set rfc8785_values_in `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/input/values.json"`
+\set rfc8785_values_out `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/output/values.json"`
+\set rfc8785_weird_in `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/input/weird.json"`
+\set rfc8785_weird_out `cat "${QL3_VECTORS_DIR:-tests/vectors}/rfc8785/output/weird.json"`
 
 CREATE TEMPORARY TABLE jcs_vectors ON COMMIT DROP AS
 SELECT
@@ -25,6 +39,21 @@ SELECT
     v.vec -> 'value' AS value,
     v.vec ->> 'digest' AS digest
 FROM jsonb_array_elements(:'digest_vectors'::jsonb) WITH ORDINALITY AS v (vec, ord);
+
+CREATE TEMPORARY TABLE rfc8785_vectors ON COMMIT DROP AS
+SELECT
+    v.name,
+    v.input,
+    v.expected
+FROM (
+    VALUES
+    ('arrays.json', :'rfc8785_arrays_in', :'rfc8785_arrays_out'),
+    ('french.json', :'rfc8785_french_in', :'rfc8785_french_out'),
+    ('structures.json', :'rfc8785_structures_in', :'rfc8785_structures_out'),
+    ('unicode.json', :'rfc8785_unicode_in', :'rfc8785_unicode_out'),
+    ('values.json', :'rfc8785_values_in', :'rfc8785_values_out'),
+    ('weird.json', :'rfc8785_weird_in', :'rfc8785_weird_out')
+) AS v (name, input, expected);
 
 CREATE TEMPORARY TABLE identity_vectors ON COMMIT DROP AS
 SELECT
@@ -45,6 +74,7 @@ SELECT plan(
     + (SELECT count(*)::integer FROM digest_vectors)
     + (SELECT 3 * count(*)::integer FROM identity_vectors)
     + 23
+    + 11  -- the RFC 8785 test data: a fixed count, so a missing file fails the plan
 );
 
 -- Shared vectors -------------------------------------------------------------------------
@@ -94,6 +124,48 @@ SELECT is(
 )
 FROM identity_vectors AS i
 ORDER BY i.ord, i.phase_ord;
+
+-- RFC 8785 reference test data (tests/vectors/rfc8785) -------------------------------------
+
+SELECT is(ql3.jcs(ql3.parse_json(r.input)), r.expected, 'rfc8785 ' || r.name)
+FROM rfc8785_vectors AS r
+WHERE r.name <> 'values.json'
+ORDER BY r.name;
+
+-- values.json holds 1E30, outside the safe range: refused (rfc8785/README.md).
+SELECT throws_ok(
+    format('SELECT ql3.parse_json(%L)', :'rfc8785_values_in'), 'Q3V01', NULL,
+    'rfc8785 values.json (1E30) is refused by parse_json'
+);
+SELECT throws_ok(
+    format('SELECT ql3.jcs(%L::jsonb)', :'rfc8785_values_in'), 'Q3V01', NULL,
+    'rfc8785 values.json (1E30) is refused by jcs on jsonb built without parse_json'
+);
+
+-- The rest of values.json must match byte for byte. 1E30 is taken out of the texts (the
+-- input loses ' 1E30,', the expected output ',1e+30'), so the input still goes through
+-- parse_json; the three guards prove each edit removed numbers[1], which is 1E30, and
+-- nothing else.
+SELECT is(
+    ARRAY[:'rfc8785_values_in'::jsonb #> '{numbers,1}', :'rfc8785_values_out'::jsonb #> '{numbers,1}'],
+    ARRAY['1e30'::jsonb, '1e30'::jsonb],
+    'rfc8785 values.json: numbers[1] is 1E30 in the input and in the output'
+);
+SELECT is(
+    replace(:'rfc8785_values_in', ' 1E30,', '')::jsonb,
+    :'rfc8785_values_in'::jsonb #- '{numbers,1}',
+    'rfc8785 values.json: the edited input is the input less numbers[1]'
+);
+SELECT is(
+    replace(:'rfc8785_values_out', ',1e+30', '')::jsonb,
+    :'rfc8785_values_out'::jsonb #- '{numbers,1}',
+    'rfc8785 values.json: the edited output is the output less numbers[1]'
+);
+SELECT is(
+    ql3.jcs(ql3.parse_json(replace(:'rfc8785_values_in', ' 1E30,', ''))),
+    replace(:'rfc8785_values_out', ',1e+30', ''),
+    'rfc8785 values.json less 1E30 (333333333.33333329 prints as 333333333.3333333, 1e-27 as 1e-27)'
+);
 
 -- ql3.jcs on jsonb that did not come through ql3.parse_json ---------------------------------
 

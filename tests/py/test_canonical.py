@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,6 +60,68 @@ IDENTITY_CASES = [
 ]
 
 
+@dataclass(frozen=True)
+class Rfc8785Case:
+    """One file of the RFC 8785 reference test data (tests/vectors/rfc8785)."""
+
+    name: str
+    input: str
+    """The input file's text."""
+    expected: bytes
+    """The output file's bytes, less one trailing newline if it ends with one."""
+
+
+RFC8785_REFUSED = "values.json"
+"""Holds 1E30, outside ql3's safe range: refused with QL3_INVALID_ARGUMENT (rfc8785/README.md)."""
+
+
+def load_rfc8785() -> list[Rfc8785Case]:
+    """Every input file with its output file; a missing or unpaired file fails the run."""
+    folder = vectors_dir() / "rfc8785"
+    inputs = sorted(p.name for p in (folder / "input").glob("*.json"))
+    outputs = sorted(p.name for p in (folder / "output").glob("*.json"))
+    if not inputs or inputs != outputs or RFC8785_REFUSED not in inputs:
+        pytest.fail(f"RFC 8785 test data missing or unpaired in {folder}", pytrace=False)
+    cases = []
+    for name in inputs:
+        expected = (folder / "output" / name).read_bytes()
+        cases.append(
+            Rfc8785Case(
+                name,
+                (folder / "input" / name).read_bytes().decode("utf-8"),
+                expected[:-1] if expected.endswith(b"\n") else expected,
+            )
+        )
+    return cases
+
+
+def without_1e30(case: Rfc8785Case) -> Rfc8785Case:
+    """values.json with 1E30 taken out of the input and of the expected output.
+
+    The edit is textual, so the input still goes through each implementation's own parser:
+    the input loses ``" 1E30,"`` and the output ``",1e+30"``, each exactly once. Each edited
+    text must parse (leniently) to its original less ``numbers[1]``, which must be 1E30 in
+    both, so nothing else moved.
+    """
+    edited = Rfc8785Case(
+        "values.json less 1E30",
+        case.input.replace(" 1E30,", ""),
+        case.expected.replace(b",1e+30", b""),
+    )
+    for before, after in ((case.input, edited.input), (case.expected, edited.expected)):
+        original = json.loads(before)
+        assert original["numbers"][1] == 1e30, before
+        del original["numbers"][1]
+        assert json.loads(after) == original, after
+    assert case.input.count(" 1E30,") == 1 and case.expected.count(b",1e+30") == 1
+    return edited
+
+
+RFC8785_CASES = load_rfc8785()
+RFC8785_VALUES = next(c for c in RFC8785_CASES if c.name == RFC8785_REFUSED)
+RFC8785_OK = [c for c in RFC8785_CASES if c is not RFC8785_VALUES] + [without_1e30(RFC8785_VALUES)]
+
+
 def _name(vector: dict[str, Any]) -> str:
     return str(vector["name"])
 
@@ -101,6 +164,26 @@ def test_identity_vector(case: tuple[str, str, dict[str, str]]) -> None:
     assert canonical.mutation_id(invocation_id, phase) == expected["mutation_id"]
     assert canonical.event_id(invocation_id, phase) == expected["event_id"]
     assert canonical.dedupe_key(invocation_id, phase) == expected["dedupe_key"]
+
+
+@pytest.mark.parametrize("case", RFC8785_OK, ids=lambda c: c.name)
+def test_rfc8785_test_data(case: Rfc8785Case) -> None:
+    assert canonical.jcs_bytes(canonical.parse_json(case.input)) == case.expected
+
+
+def test_rfc8785_test_data_is_all_there() -> None:
+    names = [c.name for c in RFC8785_OK]
+    assert len(names) == 6 and names[-1] == "values.json less 1E30", names
+
+
+def test_rfc8785_values_with_1e30_is_refused_as_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        canonical.parse_json(RFC8785_VALUES.input)
+    assert raised.type is InvalidArgument and raised.value.sqlstate == "Q3V01"
+    assert "1E30" in str(raised.value)
+    # Parsed leniently (1E30 as a float), the encoder refuses it too.
+    with pytest.raises(InvalidArgument):
+        canonical.jcs_bytes(json.loads(RFC8785_VALUES.input))
 
 
 # -- Python: the ql3 rules beyond RFC 8785 --------------------------------------------------

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ql3 import canonical
 from ql3.errors import InvalidArgument
-from test_canonical import load_vectors
+from test_canonical import RFC8785_CASES, Rfc8785Case, load_vectors
 
 MAX_SAFE = canonical.MAX_SAFE_INTEGER
 JCS_VECTORS = load_vectors("jcs.json")
@@ -50,6 +50,13 @@ def test_the_shared_jcs_vectors_inside_a_container(vector: dict[str, Any]) -> No
     value = json.loads(vector["input"])
     same_as_canonical({"value": value})
     same_as_canonical([value])
+
+
+@pytest.mark.parametrize("case", RFC8785_CASES, ids=lambda c: c.name)
+def test_the_rfc8785_test_data_takes_either_path_to_the_same_bytes(case: Rfc8785Case) -> None:
+    value = json.loads(case.input)  # values.json (1E30) must reach the encoder, and fail
+    same_as_canonical(value)
+    same_as_canonical({"value": value})
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 -- Canonical JSON (RFC 8785 / JCS with the ql3 rules), digests and derived identities
 -- (SPEC section 2). python/ql3/canonical.py is the byte-for-byte twin of this file and
--- shared/vectors/*.json hold both to the same answers.
+-- tests/vectors/*.json hold both to the same answers.
 --
 -- Why the helpers carry no SET clause: they run once per JSON node inside every
 -- admission and completion, and a SET clause costs a GUC save/restore per call. They

@@ -210,7 +210,7 @@ async def cache_latencies(
                     )
                     committed = time.monotonic()  # autocommit: the COMMIT has returned
                     row = await cur.fetchone()
-                    assert row is not None and row[0] is not None
+                    assert row is not None  # no row: the revision was already active
                     last, first = await reported(procs, "loaded", int(row[0]))
                     if i >= warmup:
                         out.last.append(last - committed)

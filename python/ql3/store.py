@@ -73,7 +73,9 @@ def _plain(row: Row | None) -> Row | None:
 
 
 def _null_row(row: Row | None) -> Row | None:
-    """A composite-typed SQL NULL comes back as a row of NULLs: make it None."""
+    """No row, or a composite-typed SQL NULL (a row of NULLs: ``revoke_revision`` of a
+    revision already revoked), is None. ``activate_revision`` of the active revision
+    returns no row at all (D3)."""
     if row is None or all(v is None for v in row.values()):
         return None
     return _plain(row)
@@ -81,7 +83,7 @@ def _null_row(row: Row | None) -> Row | None:
 
 def _call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> Row | None:
     """One pipeline on an autocommit connection: BEGIN, the call, COMMIT, then
-    ``ql3.wake_relays()`` in a transaction of its own (D25); the call's first row.
+    ``ql3.wake_relays()`` in a transaction of its own (D25); the call's first row, or None.
 
     A failed call skips the rest of the pipeline (no COMMIT, no wake); its aborted
     transaction is rolled back as the error leaves the pool's connection block. A failed
@@ -212,7 +214,8 @@ class PgStore:
         actor: str,
         expected_active_revision_id: str | None = None,
     ) -> Row | None:
-        """Makes the revision active; the outbox event, or None when it already was."""
+        """Makes the revision active; the outbox event, or None when it already was (the
+        SQL function then returns no row and writes nothing, D3)."""
         arguments.check_text_args(project_id, contract_family, contract_id, actor)
         arguments.check_uuid_args(revision_id, expected_active_revision_id)
         return self._outbox_write(

@@ -377,8 +377,8 @@ CREATE FUNCTION ql3.activate_revision(
     p_revision_id uuid,
     p_actor text,
     p_expected_active_revision_id uuid DEFAULT NULL
-) RETURNS ql3.contract_outbox
-LANGUAGE plpgsql
+) RETURNS SETOF ql3.contract_outbox
+LANGUAGE plpgsql ROWS 1
 SET search_path = pg_catalog, ql3
 AS $$
 DECLARE
@@ -434,7 +434,7 @@ BEGIN
             DETAIL = coalesce(old_revision_id::text, '');
     END IF;
     IF old_revision_id = p_revision_id THEN
-        RETURN NULL;
+        RETURN;  -- already active: no row (D3)
     END IF;
 
     UPDATE ql3.active_revisions AS a
@@ -452,12 +452,13 @@ BEGIN
         ('revision_activated', p_project_id, p_contract_family, p_contract_id,
          old_revision_id, p_revision_id, old_version + 1)
     RETURNING * INTO event;
-    RETURN event;
+    RETURN NEXT event;
 END;
 $$;
 
 COMMENT ON FUNCTION ql3.activate_revision(text, text, text, uuid, text, uuid) IS
-'Swaps the active pointer and appends a revision_activated outbox row in one transaction; NULL if already active.';
+'Swaps the active pointer and appends a revision_activated outbox row in one transaction; '
+'returns that row, or no row if the revision was already active.';
 
 CREATE FUNCTION ql3.revoke_revision(p_revision_id uuid, p_actor text, p_reason text)
 RETURNS ql3.contract_outbox

@@ -93,6 +93,23 @@ def test_activating_the_active_revision_again_writes_no_event(store: PgStore, db
     assert _count(db_dsn, "contract_outbox") == 1
 
 
+def test_activating_the_active_revision_again_returns_no_row_to_any_client(
+    store: PgStore, db_dsn: str
+) -> None:
+    """Zero rows, not one row of NULLs (D3), in FROM and in the select list, and None
+    from a PgStore on a transactional pool of the caller's own."""
+    r1 = store.put_revision("p1", FAMILY, "sre", {"v": 1}, "alice")
+    store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice")
+    call = "ql3.activate_revision('p1', %s, 'sre', %s::uuid, 'alice')"
+    with psycopg.connect(role_dsn(db_dsn, "operator"), autocommit=True) as conn:
+        assert conn.execute(f"SELECT * FROM {call}", (FAMILY, r1["revision_id"])).fetchall() == []
+        assert conn.execute(f"SELECT {call}", (FAMILY, r1["revision_id"])).fetchall() == []
+    with ConnectionPool(role_dsn(db_dsn, "operator"), min_size=1, open=True) as pool:
+        own = PgStore(pool)
+        assert own.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice") is None
+    assert _count(db_dsn, "contract_outbox") == 1
+
+
 def test_compare_and_set_mismatch_is_a_conflict_and_writes_nothing(
     store: PgStore, db_dsn: str
 ) -> None:

@@ -2,7 +2,7 @@
 -- (SPEC 3, 6): pointer swaps with their outbox rows, compare-and-set, revocation, and
 -- atomicity (a failure anywhere leaves pointer, revocations and outbox untouched).
 BEGIN;
-SELECT plan(91);
+SELECT plan(92);
 SET LOCAL client_min_messages = warning;
 
 CREATE SCHEMA IF NOT EXISTS tests;
@@ -200,14 +200,23 @@ SELECT ok(tests.v7_later_after_sleep(), 'a uuid_v7 drawn 2 ms later sorts after 
 
 SELECT tests.snap('before no-op');
 
-SELECT ok(
-    ql3.activate_revision('tap03-p', 'policy_routing', 'c1', tests.rev('r2'), 'carol') IS NULL,
-    're-activating the active revision returns NULL'
+SELECT is_empty(
+    $$SELECT * FROM ql3.activate_revision('tap03-p', 'policy_routing', 'c1', tests.rev('r2'), 'carol')$$,
+    're-activating the active revision returns no row (not a row of NULLs)'
 );
 
-SELECT ok(
-    ql3.activate_revision('tap03-p', 'policy_routing', 'c1', tests.rev('r2'), 'carol', tests.rev('r2')) IS NULL,
-    're-activating the active revision with a matching expectation returns NULL'
+SELECT is_empty(
+    $$SELECT * FROM ql3.activate_revision('tap03-p', 'policy_routing', 'c1', tests.rev('r2'), 'carol',
+                                          tests.rev('r2'))$$,
+    're-activating the active revision with a matching expectation returns no row'
+);
+
+SELECT is(
+    (SELECT count(*) FROM (
+        SELECT ql3.activate_revision('tap03-p', 'policy_routing', 'c1', tests.rev('r2'), 'carol')
+    ) AS a),
+    0::bigint,
+    're-activating the active revision called in the select list returns no row either'
 );
 
 SELECT is(

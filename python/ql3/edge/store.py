@@ -13,12 +13,13 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ql3 import arguments, errors
-from ql3.edge import contracts, invocations, runs, schema
+from ql3.edge import contracts, runs, schema
 from ql3.edge.db import Clock, CrashHook, Database, JournalMode, Row, parse_uuid, plain
-from ql3.migrate import Applied
+from ql3.migration_files import Applied
 
 ContractKey = tuple[str, str, str]
 
@@ -138,7 +139,8 @@ class EdgeStore:
         actor: str,
         expected_active_revision_id: str | None = None,
     ) -> Row | None:
-        """Makes the revision active; the outbox event, or None when it already was."""
+        """Makes the revision active; the outbox event, or None when it already was (as
+        PgStore: nothing is written, D3)."""
         arguments.check_text_args(project_id, contract_family, contract_id, actor)
         revision = parse_uuid(revision_id)
         expected = parse_uuid(expected_active_revision_id)

@@ -43,7 +43,7 @@ from ql3.invocations import (
 )
 from ql3.migrate import migrate
 from ql3.store import PgStore
-from test_canonical import load_vectors
+from test_canonical import RFC8785_OK, RFC8785_VALUES, Rfc8785Case, load_vectors
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILY = "policy_routing"
@@ -1078,6 +1078,35 @@ def test_jcs_error_vectors_are_refused_and_write_nothing(store: Store) -> None:
         value = json.loads(vector["input"])  # lenient: the store must be the one refusing
         with pytest.raises(errors.InvalidArgument):
             store.put_revision("vec", FAMILY, "jcs-error", {"v": value}, "vectors")
+    assert footprint(store) == before
+
+
+@pytest.mark.parametrize("case", RFC8785_OK, ids=lambda c: c.name)
+def test_rfc8785_test_data_becomes_the_body_hash_and_the_stored_body(
+    store: Store, case: Rfc8785Case
+) -> None:
+    # Parsed as a client would (json.loads): canonicalising is the store's own work.
+    value = json.loads(case.input)
+    bodies = [({"v": value}, b'{"v":' + case.expected + b"}")]
+    if isinstance(value, dict):
+        bodies.append((value, case.expected))
+    for n, (body, expected) in enumerate(bodies):
+        row = store.put_revision("vec", FAMILY, f"rfc8785-{n}", body, "vectors")
+        framed = BODY_DOMAIN.encode() + b"\x00" + expected
+        assert row["body_hash"] == hashlib.sha256(framed).hexdigest(), case.name
+        if isinstance(store, EdgeStore):
+            stored = query(store, "SELECT body FROM contract_revisions WHERE revision_id = ?",
+                           (row["revision_id"],))  # fmt: skip
+            assert [(text.encode("utf-8"),) for (text,) in stored] == [(expected,)]
+
+
+def test_rfc8785_values_with_1e30_is_refused_and_writes_nothing(store: Store) -> None:
+    value = json.loads(RFC8785_VALUES.input)  # lenient: 1E30 reaches the store, as 1e30
+    before = footprint(store)
+    for body in ({"v": value}, value):
+        with pytest.raises(errors.InvalidArgument) as raised:
+            store.put_revision("vec", FAMILY, "rfc8785-values", body, "vectors")
+        assert raised.type is errors.InvalidArgument and raised.value.sqlstate == "Q3V01"
     assert footprint(store) == before
 
 

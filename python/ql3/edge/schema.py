@@ -1,6 +1,7 @@
 """Migrations and readiness of one SQLite file: the ``core`` and ``ql3_ai`` streams.
 
-The same rules as ``ql3.migrate`` (whose file loading and ledger checks this reuses):
+The same rules as ``ql3.migrate`` (whose file loading and ledger checks this reuses from
+``ql3.migration_files``, which needs no PostgreSQL driver):
 forward-only numbered files, sha256 checksums, drift and a file ahead of the code refused
 before anything runs, the ledger row inserted first, each file in its own transaction
 (``BEGIN IMMEDIATE``: concurrent migrators of one file serialise and re-read the ledger).
@@ -26,7 +27,7 @@ from typing import Final
 
 from ql3 import errors
 from ql3.edge.db import Database, translate, utc_text
-from ql3.migrate import (
+from ql3.migration_files import (
     AI,
     CORE,
     Applied,

@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from ql3 import arguments, errors
@@ -253,6 +252,8 @@ class EdgeStore:
             return plain(tx.one("SELECT * FROM runs WHERE run_id = ?", (run,)))
 
     # -- model invocations (stream ql3_ai) ------------------------------------------------
+    # ql3.edge.invocations is imported by these methods only: a store opened with ai=False
+    # never loads it (the seed: an edge build without AI loads no model-invocation code).
 
     def _require_ai(self, name: str) -> None:
         if not self.ai:
@@ -264,24 +265,32 @@ class EdgeStore:
     def admit_invocation(self, command: Mapping[str, Any]) -> Row:
         """Admission: {"status": "created"|"existing", "start", "start_digest"}."""
         self._require_ai("admit_invocation")
+        from ql3.edge import invocations
+
         with self._db.write("admission") as tx:
             return invocations.admit_invocation(tx, command)
 
     def complete_invocation(self, command: Mapping[str, Any]) -> Row:
         """Completion: {"status", "completion", "completion_digest"}."""
         self._require_ai("complete_invocation")
+        from ql3.edge import invocations
+
         with self._db.write("completion") as tx:
             return invocations.complete_invocation(tx, command)
 
     def resolve_invocation(self, command: Mapping[str, Any]) -> Row:
         """Human resolution of a lost outcome: {"status", "resolution", "resolution_digest"}."""
         self._require_ai("resolve_invocation")
+        from ql3.edge import invocations
+
         with self._db.write("resolution") as tx:
             return invocations.resolve_invocation(tx, command)
 
     def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
         """Settles expired starts without completion as lost: {"count", "recovered"}."""
         self._require_ai("recover_expired")
+        from ql3.edge import invocations
+
         with self._db.write("recovery") as tx:
             return invocations.recover_expired(tx, limit, grace_seconds)
 
@@ -290,5 +299,7 @@ class EdgeStore:
     ) -> list[Row]:
         """Totals by provider, model and currency over [since, until); unknown cost apart."""
         self._require_ai("usage_summary")
+        from ql3.edge import invocations
+
         with self._db.read() as tx:
             return invocations.usage_summary(tx, project_id, since, until)

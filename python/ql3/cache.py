@@ -71,6 +71,7 @@ from ql3.relay import (
     project_channel,
     reraise_if_cancelled,
 )
+from ql3.revisions import BodyHashMismatch, EffectiveRevision
 
 BODY_DOMAIN = canonical.BODY_DOMAIN
 DEFAULT_STALENESS = 30.0
@@ -102,26 +103,6 @@ _VERIFY_SQL = """
 SELECT project_id, contract_family, contract_id, revision_id, pointer_version
 FROM ql3.active_pointers(%s::jsonb)
 """
-
-
-class BodyHashMismatch(errors.Conflict):
-    """A loaded body does not hash to its stored body_hash: the revision is refused."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EffectiveRevision:
-    """The revision a worker acts under. ``body`` is shared: do not mutate it."""
-
-    project_id: str
-    contract_family: str
-    contract_id: str
-    revision_id: str
-    revision_no: int
-    body: dict[str, Any]
-    body_hash: str
-    pointer_version: int
-    cached_at: datetime
-    verified_at: datetime
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,13 +56,18 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
+# The channels and the message are ql3.channels (shared with the edge relay), re-exported.
+from ql3.channels import DEFAULT_CHANNEL_PREFIX as DEFAULT_CHANNEL_PREFIX
+from ql3.channels import HEARTBEAT_NAME as HEARTBEAT_NAME
+from ql3.channels import event_message as event_message
+from ql3.channels import heartbeat_channel as heartbeat_channel
+from ql3.channels import project_channel as project_channel
+from ql3.channels import rfc3339 as rfc3339
 from ql3.db import parse_conninfo, tcp_settings, with_options
 from ql3.http_status import StatusServer, serve_status
 from ql3.logs import backoff_delay, configure_logging, describe_error
 
 NOTIFY_CHANNEL = "ql3_contract_outbox"
-DEFAULT_CHANNEL_PREFIX = "platform:contract:invalidate"
-HEARTBEAT_NAME = "__heartbeat__"
 DEFAULT_METRICS_PORT = 9464
 LISTEN_APPLICATION_NAME = "ql3-relay-listen"
 WORK_APPLICATION_NAME = "ql3-relay"
@@ -87,38 +92,6 @@ def reraise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
-
-
-def project_channel(prefix: str, project_id: str) -> str:
-    """The Redis channel that carries the events of one project."""
-    return f"{prefix}:{project_id}"
-
-
-def heartbeat_channel(prefix: str) -> str:
-    """The Redis channel of relay heartbeats."""
-    return f"{prefix}:{HEARTBEAT_NAME}"
-
-
-def rfc3339(moment: datetime) -> str:
-    """RFC 3339 UTC with exactly six fractional digits (SPEC section 2)."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def event_message(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON document published for one outbox row."""
-    old = row["old_revision_id"]
-    return {
-        "seq": int(row["seq"]),
-        "event_id": str(row["event_id"]),
-        "event_type": row["event_type"],
-        "project_id": row["project_id"],
-        "contract_family": row["contract_family"],
-        "contract_id": row["contract_id"],
-        "old_revision_id": None if old is None else str(old),
-        "new_revision_id": str(row["new_revision_id"]),
-        "pointer_version": int(row["pointer_version"]),
-        "created_at": rfc3339(row["created_at"]),
-    }
 
 
 # The claim, projected to what a message needs: UUIDs and created_at as text made by the

@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 from ql3 import arguments, canonical, errors
 from ql3.logs import describe_error
+from ql3.revisions import BodyHashMismatch, EffectiveRevision
 
 if TYPE_CHECKING:
-    from ql3.cache import EffectiveRevision
     from ql3.edge.relay import EdgeRelay
     from ql3.edge.store import EdgeStore
 
@@ -224,8 +224,6 @@ class EdgeRevisionCache:
         Callers hold the lock and have no entry for ``key`` (``replaced`` is the one they
         dropped, for ``on_change``).
         """
-        from ql3.cache import BodyHashMismatch, EffectiveRevision
-
         row = self.store.active_revisions([key])[0]
         now_wall = datetime.now(UTC)
         if row["revision_id"] is None:

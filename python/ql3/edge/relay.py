@@ -2,7 +2,7 @@
 
 It delivers outbox rows, in seq order and at least once, to local subscribers (callbacks
 in this process) and, when a Redis URL is given or ``QL3_REDIS_URL`` is set, to Redis on
-the channels and with the JSON of the PostgreSQL relay (``ql3.relay.event_message``), so
+the channels and with the JSON of the PostgreSQL relay (``ql3.channels.event_message``), so
 workers listening on ``platform:contract:invalidate:<project_id>`` cannot tell the two
 apart. A store COMMIT that wrote outbox rows wakes it at once (the twin of NOTIFY); a poll
 every ``poll_interval`` seconds covers everything else.
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ql3 import arguments
+from ql3 import arguments, channels
 from ql3.edge.db import Row, utc_text
 from ql3.logs import backoff_delay, describe_error
 
@@ -71,8 +71,6 @@ class EdgeRelay:
         backoff_max: float = 10.0,
         redis_timeout: float = 5.0,
     ) -> None:
-        from ql3 import relay as pg_relay
-
         arguments.check_count("batch", batch, 1, 10000)
         for name, seconds in (
             ("poll_interval", poll_interval),
@@ -86,7 +84,7 @@ class EdgeRelay:
             arguments.check_channel_prefix(channel_prefix)
         self.store = store
         self.redis_url = os.environ.get("QL3_REDIS_URL") if redis_url is None else redis_url
-        self.channel_prefix = channel_prefix or pg_relay.DEFAULT_CHANNEL_PREFIX
+        self.channel_prefix = channel_prefix or channels.DEFAULT_CHANNEL_PREFIX
         self.batch = batch
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
@@ -98,7 +96,6 @@ class EdgeRelay:
         self.published = 0
         self.failures = 0
         self.last_error: str | None = None
-        self._pg_relay = pg_relay
         self._subscribers: list[tuple[Subscriber, frozenset[str] | None]] = []
         self._redis: redis.Redis | None = None
         self._wake = threading.Event()
@@ -133,7 +130,7 @@ class EdgeRelay:
 
     def channel(self, project_id: str) -> str:
         """The channel the events of ``project_id`` are published on."""
-        channel: str = self._pg_relay.project_channel(self.channel_prefix, project_id)
+        channel: str = channels.project_channel(self.channel_prefix, project_id)
         return channel
 
     # -- delivery ---------------------------------------------------------------------
@@ -180,9 +177,7 @@ class EdgeRelay:
                 return total
 
     def _messages(self, rows: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
-        return [
-            (self.channel(row["project_id"]), self._pg_relay.event_message(row)) for row in rows
-        ]
+        return [(self.channel(row["project_id"]), channels.event_message(row)) for row in rows]
 
     def _deliver_locally(self, rows: Sequence[Row]) -> None:
         messages = self._messages(rows)
@@ -221,7 +216,7 @@ class EdgeRelay:
             "seq": self.delivered_seq,
             "at": utc_text(datetime.now(UTC)),
         }
-        channel = self._pg_relay.heartbeat_channel(self.channel_prefix)
+        channel = channels.heartbeat_channel(self.channel_prefix)
         try:
             self._client().publish(channel, json.dumps(payload))
         except Exception as exc:  # a missed heartbeat is what workers are told to detect

@@ -75,7 +75,7 @@ from ql3.invocations import (
     format_timestamp,
     request_digest,
 )
-from ql3.providers import (
+from ql3.provider_types import (
     ProviderError,
     ProviderProtocolError,
     ProviderResponse,
@@ -263,7 +263,8 @@ class PolicySource(Protocol):
 
 
 class ChatProvider(Protocol):
-    """A provider adapter: ``ql3.providers.OpenAICompatibleProvider`` satisfies it."""
+    """A provider adapter: ``ql3.providers.OpenAICompatibleProvider`` satisfies it (the
+    ``gateway`` extra: httpx). Its types are ``ql3.provider_types``, which needs no httpx."""
 
     async def route(self, model: str, endpoint: str | None = None) -> Route: ...
 

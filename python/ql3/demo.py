@@ -3,12 +3,15 @@
 With no arguments everything runs on a temporary SQLite file through the edge shim
 (``ql3.edge``), with no server at all: contract revisions are put and activated, the
 outbox relay invalidates a worker's revision cache, model calls go through the gateway to
-an in-process stub provider (a success, a provider failure, a deadline, and a caller abort
-that becomes ``lost``), a human resolves the lost call, and the usage ledger is summed.
+a stub provider (a success, a provider failure, a deadline, and a caller abort that becomes
+``lost``), a human resolves the lost call, and the usage ledger is summed. The stub is an
+OpenAI-compatible HTTP server on 127.0.0.1 behind the HTTP adapter when httpx is installed
+(the ``gateway`` extra); on a bare ``pip install ql3`` it is an in-process provider with the
+same behaviours, so the SQLite demo needs no extra at all.
 
 ``--dsn`` runs the same narrative on PostgreSQL through ``PgStore``, with the real outbox
 relay and ``RevisionCache`` over Redis (``--redis-url``, else ``$QL3_REDIS_URL``, else a
-throwaway ``redis-server``).
+throwaway ``redis-server``); it needs the server extras: ``pip install 'ql3[all]'``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -28,10 +32,11 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 from ql3 import errors
 from ql3.gateway import (
+    ChatProvider,
     GatewayError,
     GatewayHooks,
     ModelCall,
@@ -39,15 +44,24 @@ from ql3.gateway import (
     ModelInvocationReplayBlocked,
     deadline_in,
 )
-from ql3.invocations import Decision, resolution_command
-from ql3.providers import (
+from ql3.invocations import Decision, Usage, output_digest, resolution_command
+from ql3.provider_types import (
     TOPOLOGY_CONTRACT,
     TOPOLOGY_FAMILY,
     TOPOLOGY_PROJECT,
-    OpenAICompatibleProvider,
+    ProviderError,
+    ProviderProtocolError,
+    ProviderResponse,
+    Route,
+    StreamDelta,
+    StreamEvent,
+    Topology,
+    encode_chat_request,
     topology_body,
 )
-from ql3.stub_provider import StubExchange, StubProvider
+
+if TYPE_CHECKING:
+    from ql3.stub_provider import StubExchange, StubProvider
 
 PROJECT, FAMILY, POLICY = "demo", "policy_routing", "support-bot"
 TRACE = "trace-demo-1"
@@ -90,16 +104,201 @@ class Backend:
 
 # -- the stub provider's behaviour, chosen by the last user message --------------------------------
 
+Behaviour = Literal["answer", "fail", "slow"]
+OVERLOADED: Final = {"error": {"message": "the model is overloaded"}}
+HANG_SECONDS: Final = 30.0
 
-def script(exchange: StubExchange) -> None:
-    messages = (exchange.request.doc or {}).get("messages") or [{}]
+
+def behaviour(doc: Mapping[str, Any] | None) -> tuple[Behaviour, str]:
+    """What the stub does with a request, and the text of its last message."""
+    messages = (doc or {}).get("messages") or [{}]
     text = str(messages[-1].get("content", ""))
     if text.startswith("fail"):
-        exchange.send_json(503, {"error": {"message": "the model is overloaded"}})
-    elif text.startswith("slow"):
-        exchange.hang(30)
+        return "fail", text
+    if text.startswith("slow"):
+        return "slow", text
+    return "answer", text
+
+
+def reply(model: str, text: str) -> str:
+    return f"(stub {model}) you said: {text}"
+
+
+def script(exchange: StubExchange) -> None:
+    action, text = behaviour(exchange.request.doc)
+    if action == "fail":
+        exchange.send_json(503, OVERLOADED)
+    elif action == "slow":
+        exchange.hang(HANG_SECONDS)
     else:
-        exchange.send_completion(f"(stub {exchange.request.model}) you said: {text}")
+        exchange.send_completion(reply(exchange.request.model, text))
+
+
+class StubSide(Protocol):
+    """The demo's model provider: where the topology points, and what it has received."""
+
+    base_url: str
+    description: str | None
+    """One narrated line saying what the provider is, or None (the HTTP stub, as ever)."""
+
+    @property
+    def calls(self) -> int: ...
+
+    def wait_for_calls(self, count: int, timeout: float = 10.0) -> bool: ...
+
+    def adapter(self, cache: Cache) -> ChatProvider:
+        """The ``ChatProvider`` the gateway calls, reading the topology from ``cache``."""
+        ...
+
+
+class HttpStub:
+    """The stub HTTP server (``ql3.stub_provider``) behind the HTTP adapter: needs httpx."""
+
+    description: str | None = None
+
+    def __init__(self, stub: StubProvider) -> None:
+        self.stub = stub
+        self.base_url = stub.base_url
+
+    @property
+    def calls(self) -> int:
+        return self.stub.calls
+
+    def wait_for_calls(self, count: int, timeout: float = 10.0) -> bool:
+        return self.stub.wait_for_calls(count, timeout)
+
+    def adapter(self, cache: Cache) -> ChatProvider:
+        from ql3.providers import OpenAICompatibleProvider
+
+        return OpenAICompatibleProvider(cache)
+
+
+class InProcessProvider:
+    """A ``ChatProvider`` in this process with the HTTP stub's behaviours, for an install
+    without httpx: an answer with usage, a definite HTTP 503, and a request that hangs
+    (past a deadline, or until the caller gives up). It routes by the topology contract
+    like the HTTP adapter (its endpoint's URL is never dialled) and digests the JSON
+    document it answers with, so the receipts have the same shape."""
+
+    base_url = "http://in-process.invalid/v1"
+
+    def __init__(self, why: str) -> None:
+        self.description: str | None = (
+            f"provider: an in-process stand-in for the stub HTTP server ({why})"
+        )
+        self._cache: Cache | None = None
+        self._requests = 0
+        self._lock = threading.Condition()
+
+    @property
+    def calls(self) -> int:
+        with self._lock:
+            return self._requests
+
+    def wait_for_calls(self, count: int, timeout: float = 10.0) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: self._requests >= count, timeout)
+
+    def adapter(self, cache: Cache) -> ChatProvider:
+        self._cache = cache
+        return self
+
+    async def route(self, model: str, endpoint: str | None = None) -> Route:
+        assert self._cache is not None, "adapter(cache) first"
+        revision = await self._cache.get_effective(
+            TOPOLOGY_PROJECT, TOPOLOGY_FAMILY, TOPOLOGY_CONTRACT
+        )
+        topology = Topology.from_body(revision.body, revision_id=str(revision.revision_id))
+        chosen = topology.endpoint_for(model, endpoint)
+        return Route(
+            provider=chosen.name,
+            model=model,
+            url=chosen.chat_url,
+            topology_revision_id=topology.revision_id,
+        )
+
+    @staticmethod
+    def encode_request(
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: bool,
+        options: Mapping[str, Any] | None = None,
+    ) -> bytes:
+        return encode_chat_request(model, messages, stream=stream, options=options)
+
+    async def _answer(self, route: Route, body: bytes) -> ProviderResponse:
+        doc = json.loads(body)
+        with self._lock:
+            self._requests += 1
+            self._lock.notify_all()
+        action, text = behaviour(doc)
+        if action == "fail":
+            raw = json.dumps(OVERLOADED).encode()
+            raise ProviderError(503, raw, output_bytes=len(raw), output_digest=output_digest(raw))
+        if action == "slow":
+            await asyncio.sleep(HANG_SECONDS)
+            raise ProviderProtocolError("the stand-in hung up without an answer")
+        answer = reply(route.model, text)
+        prompt = sum(len(str(m.get("content", "")).split()) for m in doc["messages"])
+        document = {
+            "object": "chat.completion",
+            "model": route.model,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": answer},
+                 "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": len(answer.split())},
+        }  # fmt: skip
+        raw = json.dumps(document).encode()
+        return ProviderResponse(
+            text=answer,
+            finish_reason="stop",
+            usage=Usage(input_tokens=prompt, output_tokens=len(answer.split())),
+            output_bytes=len(raw),
+            output_digest=output_digest(raw),
+        )
+
+    async def complete(self, route: Route, body: bytes) -> ProviderResponse:
+        return await self._answer(route, body)
+
+    async def stream(self, route: Route, body: bytes) -> AsyncIterator[StreamEvent]:
+        response = await self._answer(route, body)
+        for word in response.text.split(" "):
+            yield StreamDelta(word + " ")
+        yield response
+
+    async def aclose(self) -> None:
+        pass
+
+
+def httpx_installed() -> bool:
+    return importlib.util.find_spec("httpx") is not None
+
+
+@contextlib.contextmanager
+def provider_for_demo(kind: str) -> Iterator[StubSide]:
+    """The HTTP stub when httpx is installed (``kind`` "auto" or "http"), else in process."""
+    if kind == "in-process":
+        yield InProcessProvider("--provider in-process")
+        return
+    if kind == "auto" and not httpx_installed():
+        yield InProcessProvider(
+            "httpx is not installed; pip install 'ql3[gateway]' for the HTTP adapter"
+        )
+        return
+    from ql3.stub_provider import StubProvider
+
+    with StubProvider(script=script) as stub:
+        yield HttpStub(stub)
+
+
+SERVER_MODULES: Final = ("psycopg", "psycopg_pool", "redis", "prometheus_client")
+
+
+def missing_server_modules() -> list[str]:
+    """What ``--dsn`` needs that this install lacks (the server extras)."""
+    return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
 
 
 # -- backends ---------------------------------------------------------------------------
@@ -185,10 +384,12 @@ def show_step(store: Any, step_run_id: str) -> None:
     )
 
 
-async def narrate(backend: Backend, stub: StubProvider) -> None:
+async def narrate(backend: Backend, stub: StubSide) -> None:
     store, cache = backend.store, backend.cache
     say(f"store: {backend.name}")
     note(f"migrations applied: {', '.join(backend.migrations) or 'none (already up to date)'}")
+    if stub.description:
+        note(stub.description)
 
     # Contracts: the provider topology and two routing policies.
     topology = store.put_revision(
@@ -246,7 +447,7 @@ async def narrate(backend: Backend, stub: StubProvider) -> None:
     run_id = store.create_run(PROJECT, TRACE)
     steps = {name: store.add_step_run(run_id, "model") for name in
              ("success", "failure", "timeout", "abort")}  # fmt: skip
-    provider = OpenAICompatibleProvider(cache)
+    provider = stub.adapter(cache)
     written: dict[str, dict[str, Any]] = {}
 
     async def keep_completion(command: Mapping[str, Any]) -> None:
@@ -336,12 +537,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--redis-url", help="Redis for the PostgreSQL relay (with --dsn)")
     parser.add_argument("--sqlite", type=Path, help="keep the SQLite file at this path")
     parser.add_argument("--journal-mode", choices=["wal", "delete"], default="wal")
+    parser.add_argument(
+        "--provider",
+        choices=["auto", "http", "in-process"],
+        default="auto",
+        help="the stub provider: an HTTP server behind the HTTP adapter (needs httpx), an "
+        "in-process stand-in, or auto (HTTP when httpx is installed)",
+    )
     parser.add_argument("--verbose", action="store_true", help="show the components' logs")
     args = parser.parse_args(argv)
+    if args.dsn and (missing := missing_server_modules()):
+        print(
+            f"error: ql3 demo --dsn runs on PostgreSQL and Redis and needs the server extras "
+            f"({', '.join(missing)} not installed): pip install 'ql3[all]'",
+            file=sys.stderr,
+        )
+        return 2
+    if args.provider == "http" and not httpx_installed():
+        print(
+            "error: ql3 demo --provider http needs httpx: pip install 'ql3[gateway]'",
+            file=sys.stderr,
+        )
+        return 2
     if not args.verbose:
         logging.getLogger("ql3").setLevel(logging.ERROR)
     started = datetime.now().astimezone()
-    with StubProvider(script=script) as stub:
+    with provider_for_demo(args.provider) as stub:
         if args.dsn:
             with redis_for_demo(args.redis_url) as redis_url:
                 asyncio.run(_run_postgres(args.dsn, redis_url, stub))
@@ -352,12 +573,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-async def _run_sqlite(path: Path, journal_mode: str, stub: StubProvider) -> None:
+async def _run_sqlite(path: Path, journal_mode: str, stub: StubSide) -> None:
     async with sqlite_backend(path, journal_mode) as backend:
         await narrate(backend, stub)
 
 
-async def _run_postgres(dsn: str, redis_url: str, stub: StubProvider) -> None:
+async def _run_postgres(dsn: str, redis_url: str, stub: StubSide) -> None:
     async with postgres_backend(dsn, redis_url) as backend:
         await narrate(backend, stub)
 

@@ -58,3 +58,33 @@ def test_the_demo_runs_the_same_story_on_postgresql(
     out = capsys.readouterr().out
     assert "== store: PostgreSQL" in out
     assert_story(out)
+
+
+def test_the_demo_runs_with_the_in_process_provider(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a bare ``pip install ql3`` (no httpx) runs: the same story, said in one line."""
+    assert demo.main(["--provider", "in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "provider: an in-process stand-in for the stub HTTP server" in out
+    assert_story(out)
+
+
+def test_the_demo_without_httpx_picks_the_in_process_provider(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(demo, "httpx_installed", lambda: False)
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    assert "(httpx is not installed; pip install 'ql3[gateway]' for the HTTP adapter)" in out
+    assert_story(out)
+    assert demo.main(["--provider", "http"]) == 2
+    assert "pip install 'ql3[gateway]'" in capsys.readouterr().err
+
+
+def test_the_postgresql_demo_without_the_server_extras_names_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(demo, "missing_server_modules", lambda: ["psycopg", "redis"])
+    assert demo.main(["--dsn", "postgresql://nowhere/none"]) == 2
+    err = capsys.readouterr().err
+    assert "psycopg, redis not installed" in err
+    assert "pip install 'ql3[all]'" in err

@@ -8,8 +8,9 @@ third-party package is pinned to its version in ``requirements/dev.txt``, the lo
 development venv is built from.
 
 Variants: ``ql3`` (no extras: the SQLite edge shim, with AI or without: the AI feature is
-in the same wheel and needs nothing more) and ``ql3[all]`` (PostgreSQL driver and pool,
-Redis with hiredis, the Prometheus client, httpx). Not part of ``make bench`` (it needs the
+in the same wheel and needs nothing more), ``ql3[gateway]`` (AI with the HTTP provider
+adapter: httpx) and ``ql3[all]`` (PostgreSQL driver and pool, Redis with hiredis, the
+Prometheus client, httpx). Not part of ``make bench`` (it needs the
 package index, not the servers); ``tests/py/test_edge_install.py`` uses its helpers.
 """
 
@@ -135,7 +136,7 @@ class Variant:
     packages: list[str]
 
 
-VARIANTS = {"ql3": "", "ql3[all]": "[all]"}
+VARIANTS = {"ql3": "", "ql3[gateway]": "[gateway]", "ql3[all]": "[all]"}
 
 
 def measure(work: Path) -> dict[str, Variant]:
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({label: asdict(v) for label, v in results.items()}, indent=2))
         return 0
     for label, variant in results.items():
-        print(f"{label:10} {variant.bytes / 1e6:7.1f} MB  {', '.join(variant.packages)}")
+        print(f"{label:13} {variant.bytes / 1e6:7.1f} MB  {', '.join(variant.packages)}")
     return 0
 
 

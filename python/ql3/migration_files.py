@@ -87,7 +87,8 @@ CREATE TABLE ql3.schema_history (
 );
 ALTER TABLE ql3.schema_history OWNER TO ql3_owner;
 REVOKE ALL ON ql3.schema_history FROM PUBLIC;
-GRANT SELECT ON ql3.schema_history TO ql3_reader;
+-- Every ql3 role may read the ledgers: `ql3 ready` works for any of them.
+GRANT SELECT ON ql3.schema_history TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;
 COMMENT ON TABLE ql3.schema_history IS
     'Ledger of the core migration stream: one row per applied sql/core file (ql3 migrate).';
 """,
@@ -116,7 +117,7 @@ CREATE TABLE ql3_ai.feature_history (
 );
 ALTER TABLE ql3_ai.feature_history OWNER TO ql3_owner;
 REVOKE ALL ON ql3_ai.feature_history FROM PUBLIC;
-GRANT SELECT ON ql3_ai.feature_history TO ql3_reader;
+GRANT SELECT ON ql3_ai.feature_history TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;
 COMMENT ON TABLE ql3_ai.feature_history IS
     'Ledger of the ql3_ai migration stream: one row per applied sql/ql3_ai file (ql3 migrate).';
 """,

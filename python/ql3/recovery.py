@@ -122,6 +122,11 @@ class RecoveryMetrics:
         self.errors = Counter(
             "ql3_recovery_errors", "Recovery batches that failed.", registry=registry
         )
+        self.skipped = Counter(
+            "ql3_recovery_skipped",
+            "Expired starts a batch could not settle and skipped (each is logged).",
+            registry=registry,
+        )
         self.batches = Counter(
             "ql3_recovery_batches", "Recovery batches committed.", registry=registry
         )
@@ -270,7 +275,24 @@ class RecoveryLoop:
                 deadline_at=item["deadline_at"],
                 completion_digest=item["completion_digest"],
             )
-        _log(logging.INFO if count else logging.DEBUG, "batch_done", recovered=count)
+        skipped = result.get("failed") or []
+        self.metrics.skipped.inc(len(skipped))
+        for item in skipped:
+            _log(
+                logging.ERROR,
+                "invocation_not_recovered",
+                invocation_id=item["invocation_id"],
+                run_id=item["run_id"],
+                step_run_id=item["step_run_id"],
+                sqlstate=item["sqlstate"],
+                error=item["message"],
+            )
+        _log(
+            logging.INFO if count or skipped else logging.DEBUG,
+            "batch_done",
+            recovered=count,
+            skipped=len(skipped),
+        )
         return result
 
     def drain(self, store: PgStore) -> int:

@@ -334,7 +334,8 @@ class PgStore:
         return self._command("resolve_invocation", command)
 
     def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
-        """Settles expired starts without completion as lost: {"count", "recovered"}."""
+        """Settles expired starts without completion as lost: {"count", "recovered", "failed"}
+        (a start that could not be settled is skipped and listed in "failed")."""
         result = self._value(RECOVER_EXPIRED_SQL, recovery_arguments(limit, grace_seconds))
         assert isinstance(result, dict)
         return result

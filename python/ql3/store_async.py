@@ -117,7 +117,8 @@ class AsyncPgStore:
         return await self._command("resolve_invocation", command)
 
     async def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
-        """Settles expired starts without completion as lost: {"count", "recovered"}."""
+        """Settles expired starts without completion as lost: {"count", "recovered", "failed"}
+        (a start that could not be settled is skipped and listed in "failed")."""
         result = await self._value(RECOVER_EXPIRED_SQL, recovery_arguments(limit, grace_seconds))
         assert isinstance(result, dict)
         return result

@@ -172,7 +172,7 @@ AS $function$
 DECLARE
     kind text := jsonb_typeof(node);
     child jsonb;
-    res text;
+    parts text [];
     n integer;
 BEGIN
     IF kind = 'object' OR kind = 'array' THEN
@@ -203,18 +203,20 @@ BEGIN
         IF n = 0 THEN
             RETURN '[]';
         END IF;
-        res := '[';
+        -- The parts go into an array (an expanded array in PL/pgSQL: each assignment is
+        -- amortised O(1)) and are joined once; appending to one text instead copied it
+        -- whole per element, quadratic in the array's length.
         FOR i IN 0 .. n - 1 LOOP
             child := node -> i;
-            res := res || CASE jsonb_typeof(child)
+            parts[i + 1] := CASE jsonb_typeof(child)
                 WHEN 'string' THEN child::text
                 WHEN 'number' THEN ql3._jcs_number(child::text)
                 WHEN 'object' THEN ql3._jcs_value(child, depth + 1)
                 WHEN 'array' THEN ql3._jcs_value(child, depth + 1)
                 ELSE child::text
-            END || ',';
+            END;
         END LOOP;
-        RETURN pg_catalog.left(res, -1) || ']';
+        RETURN '[' || array_to_string(parts, ',') || ']';
     ELSIF kind = 'number' THEN
         RETURN ql3._jcs_number(node::text);
     END IF;
@@ -232,8 +234,8 @@ LANGUAGE plpgsql
 IMMUTABLE
 STRICT
 PARALLEL SAFE
-SECURITY INVOKER
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 SET extra_float_digits = 1
 AS $function$
 BEGIN
@@ -272,8 +274,8 @@ LANGUAGE plpgsql
 IMMUTABLE
 STRICT
 PARALLEL SAFE
-SECURITY INVOKER
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 SET extra_float_digits = 1
 AS $function$
 BEGIN
@@ -291,8 +293,8 @@ LANGUAGE plpgsql
 IMMUTABLE
 STRICT
 PARALLEL SAFE
-SECURITY INVOKER
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $function$
 -- Clients that send JSON as text get Q3V01 for anything ql3.jcs would refuse, instead
 -- of whatever SQLSTATE the jsonb parser happens to use (22P02, 22P05, 22003, 54001...).
@@ -384,8 +386,8 @@ RETURNS text
 LANGUAGE sql
 IMMUTABLE
 PARALLEL SAFE
-SECURITY INVOKER
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $function$
     SELECT ql3._identity('mut_', 'ql3/mutation-id@v1', invocation_id, phase)
 $function$;
@@ -399,8 +401,8 @@ RETURNS text
 LANGUAGE sql
 IMMUTABLE
 PARALLEL SAFE
-SECURITY INVOKER
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $function$
     SELECT ql3._identity('evt_', 'ql3/run-event-id@v1', invocation_id, phase)
 $function$;
@@ -414,8 +416,8 @@ RETURNS text
 LANGUAGE sql
 IMMUTABLE
 PARALLEL SAFE
-SECURITY INVOKER
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $function$
     SELECT ql3._identity('ddp_', 'ql3/dedupe-key@v1', invocation_id, phase)
 $function$;
@@ -424,17 +426,14 @@ REVOKE ALL ON FUNCTION ql3.dedupe_key(text, text) FROM PUBLIC;  -- noqa: CP02
 COMMENT ON FUNCTION ql3.dedupe_key(text, text) IS
 'Dedupe key of an invocation phase: ddp_ || digest(''ql3/dedupe-key@v1'', [id, phase]).';
 
--- SECURITY INVOKER: whoever calls a public function also needs EXECUTE on its helpers.
+-- Every role may compute canonical JSON, digests and identities. These six run as their
+-- owner (SECURITY DEFINER, search_path pinned, pg_temp last), so the `_` helpers they call
+-- stay the owner's alone (D46).
 GRANT EXECUTE ON FUNCTION
 ql3.jcs(jsonb),
 ql3.digest(text, jsonb),
 ql3.parse_json(text),
 ql3.mutation_id(text, text),
 ql3.event_id(text, text),
-ql3.dedupe_key(text, text),
-ql3._jcs_value(jsonb, integer),
-ql3._jcs_number(text),
-ql3._jcs_sort_key(text),
-ql3._identity(text, text, text, text),
-ql3._framed_digest(text, text)
+ql3.dedupe_key(text, text)
 TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;

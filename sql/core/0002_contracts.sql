@@ -295,7 +295,8 @@ CREATE FUNCTION ql3.put_revision(
     p_project_id text, p_contract_family text, p_contract_id text, p_body jsonb, p_actor text
 ) RETURNS ql3.contract_revisions
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 DECLARE
     hash text;
@@ -312,6 +313,16 @@ BEGIN
             ERRCODE = 'Q3V01',
             MESSAGE = format('QL3_INVALID_ARGUMENT: body must be a JSON object, not %s',
                              coalesce(jsonb_typeof(p_body), 'NULL'));
+    END IF;
+    -- The input's size first, in O(1): a jsonb value is never more than 6 times the
+    -- bytes of its canonical text (a number in an array: 12 bytes of jsonb, 2 of JCS),
+    -- so a body over 8 x 24576 bytes of jsonb cannot fit, and is refused before the
+    -- canonicalisation walks it (D46).
+    IF pg_column_size(p_body) > 196608 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V02',
+            MESSAGE = format('QL3_RECORD_TOO_LARGE: body is %s bytes of jsonb, more than any body of at '
+                             'most 24576 bytes of canonical JSON', pg_column_size(p_body));
     END IF;
     canonical := ql3.jcs(p_body);  -- once: its size and its digest
     IF octet_length(canonical) > 24576 THEN
@@ -379,7 +390,8 @@ CREATE FUNCTION ql3.activate_revision(
     p_expected_active_revision_id uuid DEFAULT NULL
 ) RETURNS SETOF ql3.contract_outbox
 LANGUAGE plpgsql ROWS 1
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 DECLARE
     revision ql3.contract_revisions;
@@ -436,6 +448,10 @@ BEGIN
     IF old_revision_id = p_revision_id THEN
         RETURN;  -- already active: no row (D3)
     END IF;
+    -- The policy fence's other half (see ql3_ai.admit_invocation, D46): wait for the
+    -- admissions under this pointer that hold it shared, and hold off new ones until COMMIT.
+    PERFORM pg_advisory_xact_lock(
+        7433267, hashtext(concat_ws(chr(31), p_project_id, p_contract_family, p_contract_id)));
 
     UPDATE ql3.active_revisions AS a
     SET active_revision_id = p_revision_id,
@@ -463,7 +479,8 @@ COMMENT ON FUNCTION ql3.activate_revision(text, text, text, uuid, text, uuid) IS
 CREATE FUNCTION ql3.revoke_revision(p_revision_id uuid, p_actor text, p_reason text)
 RETURNS ql3.contract_outbox
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 DECLARE
     pointer ql3.active_revisions;
@@ -479,6 +496,9 @@ BEGIN
     END IF;
     revision := ql3._revision_of(p_revision_id);
     pointer := ql3._lock_pointer(revision.project_id, revision.contract_family, revision.contract_id, p_actor);
+    -- The policy fence (see activate_revision and ql3_ai.admit_invocation, D46).
+    PERFORM pg_advisory_xact_lock(
+        7433267, hashtext(concat_ws(chr(31), revision.project_id, revision.contract_family, revision.contract_id)));
 
     -- Already revoked: nothing to do. (Under REPEATABLE READ a revocation committed after
     -- our snapshot makes ON CONFLICT raise a serialization failure instead.)
@@ -578,7 +598,8 @@ COMMENT ON FUNCTION ql3.active_pointers(jsonb) IS
 CREATE FUNCTION ql3.claim_outbox(p_limit integer)
 RETURNS SETOF ql3.contract_outbox
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 OR p_limit > 10000 THEN
@@ -598,7 +619,8 @@ COMMENT ON FUNCTION ql3.claim_outbox(integer) IS
 
 CREATE FUNCTION ql3.mark_outbox_delivered(p_seqs bigint []) RETURNS integer
 LANGUAGE sql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
     WITH done AS (
         UPDATE ql3.contract_outbox AS o
@@ -614,7 +636,8 @@ COMMENT ON FUNCTION ql3.mark_outbox_delivered(bigint []) IS
 
 CREATE FUNCTION ql3.mark_outbox_failed(p_seqs bigint [], p_error text) RETURNS integer
 LANGUAGE sql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
     WITH failed AS (
         UPDATE ql3.contract_outbox AS o
@@ -643,30 +666,27 @@ $$;
 COMMENT ON FUNCTION ql3.outbox_backlog() IS
 'Undelivered outbox rows, the age in seconds of the oldest one (0 when none), and the highest seq.';
 
--- Grants (SPEC section 5). SECURITY INVOKER everywhere: these grants are what permit the work.
+-- Grants (SPEC section 5, D46). The functions are the only writers: each one that writes
+-- runs as ql3_owner (SECURITY DEFINER, search_path pinned with pg_temp last), and no other
+-- role holds INSERT, UPDATE, DELETE or TRUNCATE on any table, or EXECUTE on a `_` helper.
+-- Without UPDATE, no role can LOCK a table in a mode that blocks writers or take row locks
+-- (SELECT ... FOR UPDATE/SHARE) on rows the functions write.
 
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA ql3 FROM PUBLIC;  -- noqa: CP02
 
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
 ql3.active_revisions TO ql3_runtime;
-GRANT EXECUTE ON FUNCTION ql3.active_revision(text, text, text), ql3.active_pointers(jsonb),
-ql3._check_identifier(text, text)
-TO ql3_runtime;
+GRANT EXECUTE ON FUNCTION ql3.active_revision(text, text, text), ql3.active_pointers(jsonb) TO ql3_runtime;
 
 GRANT SELECT ON ql3.contract_outbox TO ql3_relay;
-GRANT UPDATE (delivered_at, relay_attempts, last_error) ON ql3.contract_outbox TO ql3_relay;
 GRANT EXECUTE ON FUNCTION ql3.claim_outbox(integer), ql3.mark_outbox_delivered(bigint []),
 ql3.mark_outbox_failed(bigint [], text), ql3.outbox_backlog() TO ql3_relay;
 
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
 ql3.active_revisions, ql3.contract_outbox TO ql3_operator;
-GRANT INSERT ON ql3.contract_revisions, ql3.revision_revocations, ql3.contract_outbox TO ql3_operator;
-GRANT INSERT, UPDATE ON ql3.active_revisions TO ql3_operator;
 GRANT EXECUTE ON FUNCTION ql3.put_revision(text, text, text, jsonb, text),
 ql3.activate_revision(text, text, text, uuid, text, uuid), ql3.revoke_revision(uuid, text, text),
-ql3.active_revision(text, text, text), ql3.active_pointers(jsonb), ql3.outbox_backlog(),
-ql3._check_identifier(text, text), ql3._check_family(text), ql3._lock_pointer(text, text, text, text),
-ql3._revision_of(uuid), ql3.wake_relays(), ql3._uuid_v7()
+ql3.active_revision(text, text, text), ql3.active_pointers(jsonb), ql3.outbox_backlog(), ql3.wake_relays()
 TO ql3_operator;
 
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,

@@ -141,7 +141,8 @@ EXECUTE FUNCTION ql3._refuse_step_transition();
 CREATE FUNCTION ql3.create_run(p_project_id text, p_trace_id text, p_run_id uuid DEFAULT NULL)
 RETURNS uuid
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 DECLARE
     existing ql3.runs;
@@ -172,7 +173,8 @@ COMMENT ON FUNCTION ql3.create_run(text, text, uuid) IS
 CREATE FUNCTION ql3.add_step_run(p_run_id uuid, p_kind text, p_step_run_id uuid DEFAULT NULL)
 RETURNS uuid
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 DECLARE
     existing ql3.step_runs;
@@ -212,18 +214,15 @@ $$;
 COMMENT ON FUNCTION ql3.add_step_run(uuid, text, uuid) IS
 'Adds a ready step (version 1, attempt_count 0) to a run, or returns the same step_run_id again; other content is QL3_CONFLICT.';
 
--- Grants (SPEC section 5). run_events and step_run_mutations are receipts: SELECT and
--- INSERT only, for every role. The operator needs UPDATE on runs and steps because it
--- resolves and recovers invocations (ql3_ai).
+-- Grants (SPEC section 5, D46): reads only; create_run, add_step_run and the ql3_ai
+-- functions are the writers, running as ql3_owner.
 
 REVOKE ALL ON FUNCTION ql3.create_run(text, text, uuid), ql3.add_step_run(uuid, text, uuid) FROM PUBLIC;  -- noqa: CP02
 
-GRANT SELECT, INSERT, UPDATE ON ql3.runs, ql3.step_runs TO ql3_runtime;
-GRANT SELECT, INSERT ON ql3.run_events, ql3.step_run_mutations TO ql3_runtime;
+GRANT SELECT ON ql3.runs, ql3.step_runs, ql3.run_events, ql3.step_run_mutations TO ql3_runtime;
 GRANT EXECUTE ON FUNCTION ql3.create_run(text, text, uuid), ql3.add_step_run(uuid, text, uuid)
 TO ql3_runtime;
 
-GRANT SELECT, UPDATE ON ql3.runs, ql3.step_runs TO ql3_operator;
-GRANT SELECT, INSERT ON ql3.run_events, ql3.step_run_mutations TO ql3_operator;
+GRANT SELECT ON ql3.runs, ql3.step_runs, ql3.run_events, ql3.step_run_mutations TO ql3_operator;
 
 GRANT SELECT ON ql3.runs, ql3.step_runs, ql3.run_events, ql3.step_run_mutations TO ql3_reader;

@@ -33,5 +33,4 @@ REVOKE ALL ON FUNCTION ql3._now() FROM PUBLIC;  -- noqa: CP02
 COMMENT ON FUNCTION ql3._now() IS
 'The database clock of receipts and recovery: now(); tests pin it by replacing the body as owner.';
 
--- SECURITY INVOKER: whoever admits, completes, resolves or recovers calls it.
-GRANT EXECUTE ON FUNCTION ql3._now() TO ql3_runtime, ql3_operator;
+-- No grant: the functions that call it run as its owner (D46).

@@ -435,7 +435,8 @@ COMMENT ON FUNCTION ql3_ai._verify_receipt(text, text, jsonb, text) IS
 
 CREATE FUNCTION ql3_ai.admit_invocation(command jsonb) RETURNS jsonb
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 -- Hot path: one admission per transaction, so each expression below is also set up once
 -- per call; they are kept few and compact. Every check first runs as a cheap expression
@@ -472,6 +473,13 @@ DECLARE
     policy_text text := 'null';
     common_shape boolean;
 BEGIN
+    -- The input's size first, in O(1), before any walk of it (see put_revision, D46).
+    IF pg_column_size(command) > 196608 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V02',
+            MESSAGE = format('QL3_RECORD_TOO_LARGE: admission command is %s bytes of jsonb, more than any command '
+                             'of at most 24576 bytes of canonical JSON', pg_column_size(command));
+    END IF;
     -- The common shape: exactly the v1 fields, strings where strings belong, integers
     -- written as plain digits up to 10^15 (within 2^53-1 and canonical as they are), policy
     -- null or exactly three strings. Anything else takes the original checks.
@@ -643,19 +651,34 @@ BEGIN
                              step_run_id, step.version, expected_version);
     END IF;
 
-    -- The policy fence: read in this transaction, after the step lock. An admission that
-    -- races an activation is ordered before it; one that starts after it sees it.
+    -- The policy fence, after the step lock (D46). No admission under a revision commits
+    -- after the activation or revocation that replaced it committed, in any isolation level:
+    -- - READ COMMITTED: a shared advisory lock on the contract's pointer, which activation
+    --   and revocation take exclusively, orders the two; the pointer is then read by a
+    --   statement whose snapshot follows any activation or revocation that held the lock.
+    --   (A shared advisory lock lives in memory; FOR SHARE on the pointer row would write
+    --   a MultiXact to the row for every two concurrent admissions under one policy.)
+    -- - REPEATABLE READ and SERIALIZABLE: the snapshot may predate a committed revocation,
+    --   so the pointer row is read FOR SHARE, which fails with 40001 when the row changed
+    --   after the snapshot, and otherwise holds the row until COMMIT.
     IF policy_revision IS NOT NULL THEN
-        SELECT true, a.active_revision_id INTO family_known, active_revision
-        FROM ql3.contract_families AS f
-        LEFT JOIN ql3.active_revisions AS a
-            ON a.project_id = command ->> 'project_id' AND a.contract_family = f.contract_family
-               AND a.contract_id = policy_contract
-        WHERE f.contract_family = policy_family;
+        SELECT true INTO family_known FROM ql3.contract_families AS f WHERE f.contract_family = policy_family;
         IF family_known IS NULL THEN
             RAISE EXCEPTION USING
                 ERRCODE = 'Q3V01',
                 MESSAGE = format('QL3_INVALID_ARGUMENT: unknown contract family %L', policy_family);
+        END IF;
+        IF current_setting('transaction_isolation') = 'read committed' THEN
+            PERFORM pg_advisory_xact_lock_shared(
+                7433267, hashtext(concat_ws(chr(31), command ->> 'project_id', policy_family, policy_contract)));
+            SELECT a.active_revision_id INTO active_revision FROM ql3.active_revisions AS a
+            WHERE a.project_id = command ->> 'project_id' AND a.contract_family = policy_family
+              AND a.contract_id = policy_contract;
+        ELSE
+            SELECT a.active_revision_id INTO active_revision FROM ql3.active_revisions AS a
+            WHERE a.project_id = command ->> 'project_id' AND a.contract_family = policy_family
+              AND a.contract_id = policy_contract
+            FOR SHARE;
         END IF;
         IF active_revision IS DISTINCT FROM policy_revision THEN
             RAISE EXCEPTION USING
@@ -931,7 +954,8 @@ COMMENT ON FUNCTION ql3_ai._write_completion(ql3_ai.model_invocation_starts, big
 
 CREATE FUNCTION ql3_ai.complete_invocation(command jsonb) RETURNS jsonb
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 <<complete_invocation>>
 DECLARE
@@ -946,7 +970,15 @@ DECLARE
     ledger ql3_ai.usage_ledger;
     canonical text;
     common_shape boolean;
+    taken text;
 BEGIN
+    -- The input's size first, in O(1), before any walk of it (see put_revision, D46).
+    IF pg_column_size(command) > 196608 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V02',
+            MESSAGE = format('QL3_RECORD_TOO_LARGE: completion command is %s bytes of jsonb, more than any command '
+                             'of at most 24576 bytes of canonical JSON', pg_column_size(command));
+    END IF;
     -- As in admit_invocation: the common shape (exactly the v1 fields and kinds, integers
     -- as plain digits up to 10^15) gets its canonical text written out; anything else
     -- takes the original checks, in the original order.
@@ -1110,7 +1142,18 @@ BEGIN
                              step.step_run_id, step.status, coalesce(step.current_invocation_id, 'none'),
                              invocation_id);
     END IF;
-    RETURN ql3_ai._write_completion(start, step.version, command, command_digest, false);
+    BEGIN
+        RETURN ql3_ai._write_completion(start, step.version, command, command_digest, false);
+    EXCEPTION WHEN unique_violation THEN
+        -- Unreachable while the functions are the only writers (D46); a raw 23505 would
+        -- hide which receipt identity was taken.
+        GET STACKED DIAGNOSTICS taken = CONSTRAINT_NAME;
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: a receipt identity of the completion of invocation %s exists '
+                             'already (constraint %s; identities %s)', invocation_id, taken,
+                             array_to_string(ql3_ai._identities(invocation_id, 'completion'), ', '));
+    END;
 END;
 $$;
 
@@ -1119,7 +1162,8 @@ COMMENT ON FUNCTION ql3_ai.complete_invocation(jsonb) IS
 
 CREATE FUNCTION ql3_ai.resolve_invocation(command jsonb) RETURNS jsonb
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 <<resolve_invocation>>
 DECLARE
@@ -1140,7 +1184,15 @@ DECLARE
     dedupe_key text;
     receipt jsonb;
     resolution_digest text;
+    taken text;
 BEGIN
+    -- The input's size first, in O(1), before any walk of it (see put_revision, D46).
+    IF pg_column_size(command) > 196608 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V02',
+            MESSAGE = format('QL3_RECORD_TOO_LARGE: resolution command is %s bytes of jsonb, more than any command '
+                             'of at most 24576 bytes of canonical JSON', pg_column_size(command));
+    END IF;
     PERFORM ql3_ai._check_shape(
         'resolution command', command, 'ql3/model-invocation-resolution-command@v1',
         ARRAY['schema', 'invocation_id', 'completion_digest', 'decision', 'user_id', 'expected_step_run_version',
@@ -1223,67 +1275,77 @@ BEGIN
                              step.step_run_id, step.version, expected_version);
     END IF;
 
-    UPDATE ql3.runs AS r
-    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
-    WHERE r.run_id = start.run_id
-    RETURNING * INTO run;
-    ids := ql3_ai._identities(invocation_id, 'resolution');
-    mutation_id := ids[1];
-    event_id := ids[2];
-    dedupe_key := ids[3];
-    receipt := jsonb_build_object(
-        'schema', 'ql3/model-invocation-resolution@v1',
-        'invocation_id', invocation_id,
-        'completion_digest', completion.completion_digest,
-        'project_id', start.project_id,
-        'run_id', start.run_id,
-        'step_run_id', start.step_run_id,
-        'trace_id', start.trace_id,
-        'attempt', start.attempt,
-        'decision', decision,
-        'user_id', command ->> 'user_id',
-        'reason', command ->> 'reason',
-        'to_status', new_status,
-        'result_code', new_result_code,
-        'command_digest', command_digest,
-        'step_run_version', step.version + 1,
-        'run_version', run.version,
-        'run_event_seq', run.event_seq,
-        'mutation_id', mutation_id,
-        'event_id', event_id,
-        'dedupe_key', dedupe_key,
-        'resolved_at', ql3_ai._utc(ql3._now())
-    );
-    resolution_digest := ql3_ai._checked_digest(
-        'resolution record', 'ql3/model-invocation-resolution@v1', receipt);
+    BEGIN
+        UPDATE ql3.runs AS r
+        SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
+        WHERE r.run_id = start.run_id
+        RETURNING * INTO run;
+        ids := ql3_ai._identities(invocation_id, 'resolution');
+        mutation_id := ids[1];
+        event_id := ids[2];
+        dedupe_key := ids[3];
+        receipt := jsonb_build_object(
+            'schema', 'ql3/model-invocation-resolution@v1',
+            'invocation_id', invocation_id,
+            'completion_digest', completion.completion_digest,
+            'project_id', start.project_id,
+            'run_id', start.run_id,
+            'step_run_id', start.step_run_id,
+            'trace_id', start.trace_id,
+            'attempt', start.attempt,
+            'decision', decision,
+            'user_id', command ->> 'user_id',
+            'reason', command ->> 'reason',
+            'to_status', new_status,
+            'result_code', new_result_code,
+            'command_digest', command_digest,
+            'step_run_version', step.version + 1,
+            'run_version', run.version,
+            'run_event_seq', run.event_seq,
+            'mutation_id', mutation_id,
+            'event_id', event_id,
+            'dedupe_key', dedupe_key,
+            'resolved_at', ql3_ai._utc(ql3._now())
+        );
+        resolution_digest := ql3_ai._checked_digest(
+            'resolution record', 'ql3/model-invocation-resolution@v1', receipt);
 
-    INSERT INTO ql3_ai.model_invocation_resolutions (
-        invocation_id, completion_digest, run_id, step_run_id, decision, user_id, reason, command_digest,
-        record, resolution_digest, mutation_id, event_id, dedupe_key, resolved_at
-    ) VALUES (
-        invocation_id, completion.completion_digest, start.run_id, start.step_run_id, decision,
-        command ->> 'user_id', command ->> 'reason', command_digest, receipt, resolution_digest,
-        mutation_id, event_id, dedupe_key, ql3._now()
-    );
-    -- retry clears the old result (the next admission needs a new invocation_id, its
-    -- start raises attempt_count); fail and cancel keep the invocation that ended it.
-    UPDATE ql3.step_runs AS s
-    SET status = new_status, version = s.version + 1, output_ref = NULL, result_code = new_result_code,
-        current_invocation_id = CASE WHEN new_status = 'ready' THEN NULL ELSE s.current_invocation_id END,
-        updated_at = ql3._now()
-    WHERE s.step_run_id = start.step_run_id;
-    INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
-    VALUES (start.run_id, run.event_seq, event_id, 'model_invocation_resolved', start.step_run_id,
-            jsonb_build_object('invocation_id', invocation_id, 'decision', decision,
-                               'user_id', command ->> 'user_id', 'from_status', 'lost', 'to_status', new_status,
-                               'step_run_version', step.version + 1, 'resolution_digest', resolution_digest));
-    INSERT INTO ql3.step_run_mutations (
-        mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version, command_digest
-    ) VALUES (
-        mutation_id, dedupe_key, start.step_run_id, 'lost', new_status, step.version, step.version + 1,
-        command_digest
-    );
-    RETURN jsonb_build_object('status', 'created', 'resolution', receipt, 'resolution_digest', resolution_digest);
+        INSERT INTO ql3_ai.model_invocation_resolutions (
+            invocation_id, completion_digest, run_id, step_run_id, decision, user_id, reason, command_digest,
+            record, resolution_digest, mutation_id, event_id, dedupe_key, resolved_at
+        ) VALUES (
+            invocation_id, completion.completion_digest, start.run_id, start.step_run_id, decision,
+            command ->> 'user_id', command ->> 'reason', command_digest, receipt, resolution_digest,
+            mutation_id, event_id, dedupe_key, ql3._now()
+        );
+        -- retry clears the old result (the next admission needs a new invocation_id, its
+        -- start raises attempt_count); fail and cancel keep the invocation that ended it.
+        UPDATE ql3.step_runs AS s
+        SET status = new_status, version = s.version + 1, output_ref = NULL, result_code = new_result_code,
+            current_invocation_id = CASE WHEN new_status = 'ready' THEN NULL ELSE s.current_invocation_id END,
+            updated_at = ql3._now()
+        WHERE s.step_run_id = start.step_run_id;
+        INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
+        VALUES (start.run_id, run.event_seq, event_id, 'model_invocation_resolved', start.step_run_id,
+                jsonb_build_object('invocation_id', invocation_id, 'decision', decision,
+                                   'user_id', command ->> 'user_id', 'from_status', 'lost', 'to_status', new_status,
+                                   'step_run_version', step.version + 1, 'resolution_digest', resolution_digest));
+        INSERT INTO ql3.step_run_mutations (
+            mutation_id, dedupe_key, step_run_id, from_status, to_status, from_version, to_version, command_digest
+        ) VALUES (
+            mutation_id, dedupe_key, start.step_run_id, 'lost', new_status, step.version, step.version + 1,
+            command_digest
+        );
+        RETURN jsonb_build_object('status', 'created', 'resolution', receipt, 'resolution_digest', resolution_digest);
+    EXCEPTION WHEN unique_violation THEN
+        -- Unreachable while the functions are the only writers (D46); see complete_invocation.
+        GET STACKED DIAGNOSTICS taken = CONSTRAINT_NAME;
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = format('QL3_CONFLICT: a receipt identity of the resolution of invocation %s exists '
+                             'already (constraint %s; identities %s)', invocation_id, taken,
+                             array_to_string(ql3_ai._identities(invocation_id, 'resolution'), ', '));
+    END;
 END;
 $$;
 
@@ -1292,7 +1354,8 @@ COMMENT ON FUNCTION ql3_ai.resolve_invocation(jsonb) IS
 
 CREATE FUNCTION ql3_ai.recover_expired(p_limit integer, p_grace interval) RETURNS jsonb
 LANGUAGE plpgsql
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 DECLARE
     expired record;
@@ -1300,6 +1363,9 @@ DECLARE
     command jsonb;
     result jsonb;
     recovered jsonb := '[]'::jsonb;
+    failed jsonb := '[]'::jsonb;
+    failed_state text;
+    failed_message text;
     -- The grace in seconds (a month as 30 days, a year as 365.25): '1 day' is 86400 s here,
     -- not a calendar day in the session's time zone, which a DST change makes 23 or 25 h (D29).
     grace_seconds numeric := extract(EPOCH FROM p_grace);
@@ -1349,19 +1415,34 @@ BEGIN
             'output_digest', NULL,
             'usage', NULL
         );
-        result := ql3_ai._write_completion(
-            start, expired.step_version, command,
-            ql3_ai._checked_digest('completion command', 'ql3/model-invocation-completion-command@v1', command),
-            true);
-        recovered := recovered || jsonb_build_array(jsonb_build_object(
-            'invocation_id', start.invocation_id,
-            'run_id', start.run_id,
-            'step_run_id', start.step_run_id,
-            'deadline_at', ql3_ai._utc(start.deadline_at),
-            'completion_digest', result ->> 'completion_digest'
-        ));
+        -- Each settlement in a subtransaction of its own: one start that cannot be settled
+        -- is reported (and logged) and skipped, and the rest of the batch is settled (D46).
+        BEGIN
+            result := ql3_ai._write_completion(
+                start, expired.step_version, command,
+                ql3_ai._checked_digest('completion command', 'ql3/model-invocation-completion-command@v1', command),
+                true);
+            recovered := recovered || jsonb_build_array(jsonb_build_object(
+                'invocation_id', start.invocation_id,
+                'run_id', start.run_id,
+                'step_run_id', start.step_run_id,
+                'deadline_at', ql3_ai._utc(start.deadline_at),
+                'completion_digest', result ->> 'completion_digest'
+            ));
+        EXCEPTION WHEN OTHERS THEN
+            GET STACKED DIAGNOSTICS failed_state = RETURNED_SQLSTATE, failed_message = MESSAGE_TEXT;
+            RAISE WARNING 'ql3 recovery skipped invocation %: % %', start.invocation_id, failed_state, failed_message;
+            failed := failed || jsonb_build_array(jsonb_build_object(
+                'invocation_id', start.invocation_id,
+                'run_id', start.run_id,
+                'step_run_id', start.step_run_id,
+                'sqlstate', failed_state,
+                'message', failed_message
+            ));
+        END;
     END LOOP;
-    RETURN jsonb_build_object('count', jsonb_array_length(recovered), 'recovered', recovered);
+    RETURN jsonb_build_object('count', jsonb_array_length(recovered), 'recovered', recovered,
+                              'failed', failed);
 END;
 $$;
 
@@ -1412,33 +1493,22 @@ $$;
 COMMENT ON FUNCTION ql3_ai.usage_summary(text, timestamptz, timestamptz) IS
 'Usage in [from, to) by provider, model and currency; unknown costs are counted apart, never summed as 0.';
 
--- Grants (SPEC section 5). SECURITY INVOKER everywhere: these grants are what permit the
--- work. The runtime admits and completes but cannot resolve or recover, and has no INSERT
--- on resolutions either, so it cannot settle its own unknown outcomes by hand.
+-- Grants (SPEC section 5, D46): reads, and EXECUTE on the functions of each role's job.
+-- The functions run as ql3_owner; no role but the owner writes a receipt or may call a
+-- `_` helper. The runtime admits and completes but cannot resolve or recover, so it
+-- cannot settle its own unknown outcomes.
 
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA ql3_ai FROM PUBLIC;  -- noqa: CP02
 
-GRANT SELECT, INSERT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
-ql3_ai.usage_ledger TO ql3_runtime;
-GRANT SELECT ON ql3_ai.model_invocation_resolutions TO ql3_runtime;
+GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
+ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_runtime;
 GRANT EXECUTE ON FUNCTION ql3_ai.admit_invocation(jsonb), ql3_ai.complete_invocation(jsonb),
-ql3_ai.usage_summary(text, timestamptz, timestamptz),
-ql3_ai._check_shape(text, jsonb, text, text [], text []), ql3_ai._checked_digest(text, text, jsonb),
-ql3_ai._uuid(text, text), ql3_ai._check_sha256(text, text), ql3_ai._timestamp(text, text),
-ql3_ai._utc(timestamptz), ql3_ai._verify_receipt(text, text, jsonb, text), ql3_ai._identities(text, text),
-ql3_ai._write_completion(ql3_ai.model_invocation_starts, bigint, jsonb, text, boolean)
-TO ql3_runtime;
+ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_runtime;
 
 GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
 ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_operator;
-GRANT INSERT ON ql3_ai.model_invocation_completions, ql3_ai.model_invocation_resolutions TO ql3_operator;
 GRANT EXECUTE ON FUNCTION ql3_ai.resolve_invocation(jsonb), ql3_ai.recover_expired(integer, interval),
-ql3_ai.usage_summary(text, timestamptz, timestamptz),
-ql3_ai._check_shape(text, jsonb, text, text [], text []), ql3_ai._checked_digest(text, text, jsonb),
-ql3_ai._check_sha256(text, text), ql3_ai._utc(timestamptz), ql3_ai._verify_receipt(text, text, jsonb, text),
-ql3_ai._identities(text, text),
-ql3_ai._write_completion(ql3_ai.model_invocation_starts, bigint, jsonb, text, boolean)
-TO ql3_operator;
+ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_operator;
 
 GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
 ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_reader;

@@ -684,13 +684,37 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
         (horizon, batch),
     )
     recovered: list[dict[str, Any]] = []
-    # Settled run by run, as PostgreSQL settles them (there, to lock runs in one order).
+    failed: list[dict[str, Any]] = []
+    # Settled run by run, as PostgreSQL settles them (there, to lock runs in one order),
+    # each under a savepoint of its own: one start that cannot be settled is reported and
+    # skipped, and the rest of the batch is settled (D46).
     for start in sorted(expired, key=lambda s: (s["run_id"], s["deadline_at"], s["invocation_id"])):
         command = completion_command(
             invocation_id=start["invocation_id"], start_digest=start["start_digest"], outcome="lost"
         )
-        command_digest, _ = checked_digest("completion command", COMPLETION_COMMAND_SCHEMA, command)
-        result = _write_completion(tx, start, int(start["version"]), command, command_digest, True)
+        tx.run("SAVEPOINT ql3_recover_one")
+        try:
+            command_digest, _ = checked_digest(
+                "completion command", COMPLETION_COMMAND_SCHEMA, command
+            )
+            result = _write_completion(
+                tx, start, int(start["version"]), command, command_digest, True
+            )
+        except (errors.Ql3Error, sqlite3.Error) as exc:
+            tx.run("ROLLBACK TO SAVEPOINT ql3_recover_one")
+            tx.run("RELEASE SAVEPOINT ql3_recover_one")
+            code = (exc.sqlstate if isinstance(exc, errors.Ql3Error) else None) or "XX000"
+            failed.append(
+                {
+                    "invocation_id": start["invocation_id"],
+                    "run_id": start["run_id"],
+                    "step_run_id": start["step_run_id"],
+                    "sqlstate": code,
+                    "message": str(exc),
+                }
+            )
+            continue
+        tx.run("RELEASE SAVEPOINT ql3_recover_one")
         recovered.append(
             {
                 "invocation_id": start["invocation_id"],
@@ -700,7 +724,7 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
                 "completion_digest": result["completion_digest"],
             }
         )
-    return {"count": len(recovered), "recovered": recovered}
+    return {"count": len(recovered), "recovered": recovered, "failed": failed}
 
 
 def usage_summary(

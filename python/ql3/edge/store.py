@@ -287,7 +287,8 @@ class EdgeStore:
             return invocations.resolve_invocation(tx, command)
 
     def recover_expired(self, limit: int = 100, grace_seconds: float = 0.0) -> Row:
-        """Settles expired starts without completion as lost: {"count", "recovered"}."""
+        """Settles expired starts without completion as lost: {"count", "recovered", "failed"}
+        (a start that could not be settled is skipped and listed in "failed")."""
         self._require_ai("recover_expired")
         from ql3.edge import invocations
 

@@ -1,6 +1,6 @@
 -- Runs and steps (sql/core/0003_runs.sql): create_run, add_step_run, the history tables.
 BEGIN;
-SELECT plan(46);
+SELECT plan(47);
 
 SELECT has_table('ql3', 'runs', 'ql3.runs exists');
 SELECT has_table('ql3', 'step_runs', 'ql3.step_runs exists');
@@ -113,10 +113,17 @@ SELECT throws_ok(
     $$UPDATE ql3.step_runs SET status = 'succeeded' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     'Q3S01', NULL, 'a direct UPDATE cannot skip a transition (ready -> succeeded), whoever makes it (D33)'
 );
+-- The runtime holds no UPDATE on step_runs (D46): refused before the trigger. The
+-- trigger still refuses the same UPDATE from the owner, whose functions are the writers.
 SET ROLE ql3_runtime;
 SELECT throws_ok(
     $$UPDATE ql3.step_runs SET status = 'lost' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
-    'Q3S01', NULL, 'the runtime cannot make a ready step lost by UPDATE'
+    '42501', NULL, 'the runtime cannot make a ready step lost by UPDATE (no UPDATE privilege)'
+);
+SET ROLE ql3_owner;
+SELECT throws_ok(
+    $$UPDATE ql3.step_runs SET status = 'lost' WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
+    'Q3S01', NULL, 'not even the owner can make a ready step lost by UPDATE (QL3_ILLEGAL_TRANSITION)'
 );
 RESET ROLE;
 SELECT throws_ok(

@@ -400,6 +400,8 @@ SELECT results_eq(
               'ddp_e89eb902f86a952d7bdda7c5db3cff5685149b09b30f2994efc13afed4e82dfd')$$,
     'admission identities of the 128-character vector match identity.json'
 );
+-- The `_` helpers are the owner's alone (D46): checked outside the runtime's role.
+RESET ROLE;
 SELECT is(
     ql3_ai._identities('inv-1', 'completion'),
     ARRAY[ql3.mutation_id('inv-1', 'completion'), ql3.event_id('inv-1', 'completion'),
@@ -411,6 +413,7 @@ SELECT is(
     (SELECT ql3.digest('ql3/model-invocation-admission@v1', c) FROM cmd),
     'ql3_ai._checked_digest agrees with ql3.digest'
 );
+SET ROLE ql3_runtime;
 
 -- Integers written with a fraction (512.0) are refused with our own code (as on SQLite,
 -- D15), not PostgreSQL's 22P02 from a later cast.

@@ -3,7 +3,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(96);
+SELECT plan(104);
 
 -- Fixture: run R1 with model steps S1..S9 admitted as inv-rN; then completions:
 -- r1, r2, r3, r8 and the vector invocation on S9 lost; r4 succeeded; r5 still running;
@@ -342,25 +342,28 @@ SELECT results_eq(
     'completion and resolution identities of the vector match identity.json'
 );
 
--- Only a resolution moves a lost step: the runtime's UPDATE on step_runs (SPEC section 5)
--- cannot take it back to ready, settle it, or point it at another invocation (D33).
+-- Only a resolution moves a lost step. The runtime holds no UPDATE on step_runs (D46), so
+-- its UPDATEs are refused before any trigger; the guard of D33 still refuses the same
+-- UPDATEs from the owner, whose functions are the only writers.
+CREATE TEMP TABLE lost_step_updates (ord, statement, description) AS
+VALUES
+    (1, $$UPDATE ql3.step_runs SET status = 'ready', current_invocation_id = NULL, result_code = NULL,
+                 version = version + 1
+          WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+     'take a lost step back to ready without a resolution'),
+    (2, $$UPDATE ql3.step_runs SET status = 'failed', result_code = 'model_outcome_rejected'
+          WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+     'settle a lost step as failed without a resolution'),
+    (3, $$UPDATE ql3.step_runs SET current_invocation_id = 'inv-r1'
+          WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
+     'point a lost step at another (resolved) invocation');
+GRANT SELECT ON lost_step_updates TO ql3_runtime, ql3_owner;
 SET ROLE ql3_runtime;
-SELECT * FROM tests.rejects(
-    $$UPDATE ql3.step_runs SET status = 'ready', current_invocation_id = NULL, result_code = NULL,
-             version = version + 1
-      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
-    'Q3S01', 'the runtime cannot take a lost step back to ready without a resolution'
-);
-SELECT * FROM tests.rejects(
-    $$UPDATE ql3.step_runs SET status = 'failed', result_code = 'model_outcome_rejected'
-      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
-    'Q3S01', 'the runtime cannot settle a lost step as failed without a resolution'
-);
-SELECT * FROM tests.rejects(
-    $$UPDATE ql3.step_runs SET current_invocation_id = 'inv-r1'
-      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,
-    'Q3S01', 'the runtime cannot point a lost step at another (resolved) invocation'
-);
+SELECT tests.rejects(u.statement, '42501', 'the runtime cannot ' || u.description || ' (no UPDATE privilege)')
+FROM lost_step_updates AS u ORDER BY u.ord;
+SET ROLE ql3_owner;
+SELECT tests.rejects(u.statement, 'Q3S01', 'not even the owner can ' || u.description)
+FROM lost_step_updates AS u ORDER BY u.ord;
 
 -- The step must still be exactly the lost winner: only a damaged database gets here, so
 -- the damage disables the guard above (as the superuser).
@@ -398,9 +401,10 @@ SELECT * FROM tests.rejects(
 );
 RESET ROLE;
 
--- Nor can the runtime reuse the resolution of an older attempt of the same step: a step
--- running its second attempt, marked lost by hand under its first (resolved) invocation,
--- cannot leave lost (D33: only a resolution of the step's newest start counts).
+-- Nor can a hand-made UPDATE reuse the resolution of an older attempt of the same step: a
+-- step running its second attempt, marked lost by hand under its first (resolved)
+-- invocation, cannot leave lost (D33: only a resolution of the step's newest start counts).
+-- Only the owner can make such UPDATEs now (D46); the runtime is refused before the guard.
 SELECT ql3.add_step_run('aaaaaaaa-0000-0000-0000-000000000001', 'model', 'bbbbbbbb-0000-0000-0000-0000000000f1');
 SELECT ql3_ai.admit_invocation(tests.admission(
     'inv-f1', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-0000000000f1', 1));
@@ -408,13 +412,20 @@ SELECT ql3_ai.complete_invocation(tests.completion('inv-f1', 'lost', 'outcome_un
 SELECT ql3_ai.resolve_invocation(tests.resolution('inv-f1', 'retry'));
 SELECT ql3_ai.admit_invocation(tests.admission(
     'inv-f2', 'aaaaaaaa-0000-0000-0000-000000000001', 'bbbbbbbb-0000-0000-0000-0000000000f1', 4));
-SET ROLE ql3_runtime;
+SET ROLE ql3_owner;
 UPDATE ql3.step_runs SET status = 'lost', current_invocation_id = 'inv-f1', result_code = 'outcome_unknown'
 WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-0000000000f1';
+SET ROLE ql3_runtime;
 SELECT * FROM tests.rejects(
     $$UPDATE ql3.step_runs SET status = 'ready', current_invocation_id = NULL, result_code = NULL
       WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-0000000000f1'$$,
-    'Q3S01', 'the resolution of an older attempt does not let the runtime move a lost step'
+    '42501', 'the runtime cannot move a lost step by UPDATE at all (no UPDATE privilege)'
+);
+SET ROLE ql3_owner;
+SELECT * FROM tests.rejects(
+    $$UPDATE ql3.step_runs SET status = 'ready', current_invocation_id = NULL, result_code = NULL
+      WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-0000000000f1'$$,
+    'Q3S01', 'the resolution of an older attempt does not let even the owner move a lost step'
 );
 RESET ROLE;
 

@@ -57,7 +57,7 @@ SELECT
     0 AS k,
     tests.start_scans() AS n;
 SELECT is(
-    ql3_ai.recover_expired(2, interval '36500 days'), '{"count": 0, "recovered": []}'::jsonb,
+    ql3_ai.recover_expired(2, interval '36500 days'), '{"count": 0, "recovered": [], "failed": []}'::jsonb,
     'a scan whose grace covers every deadline recovers nothing'
 );
 INSERT INTO scans (k, n)
@@ -91,7 +91,7 @@ SELECT is(
         'deadline_at', '2000-01-01T00:00:00.000000Z',
         'completion_digest', (SELECT completion_digest FROM ql3_ai.model_invocation_completions
                               WHERE invocation_id = 'inv-e1')
-    ))),
+    )), 'failed', '[]'::jsonb),
     'recover_expired(1, 0) settles the start with the oldest expired deadline and reports it'
 );
 SELECT results_eq(
@@ -137,7 +137,7 @@ SELECT is(
 );
 CREATE TEMP TABLE fp AS SELECT tests.footprint() AS v;
 SELECT is(
-    ql3_ai.recover_expired(10, interval '2 hours'), '{"count": 0, "recovered": []}'::jsonb,
+    ql3_ai.recover_expired(10, interval '2 hours'), '{"count": 0, "recovered": [], "failed": []}'::jsonb,
     'a start within deadline + grace is left alone'
 );
 SELECT is(tests.footprint(), (SELECT v FROM fp), 'a scan that finds nothing writes nothing');
@@ -146,7 +146,7 @@ SELECT is(
     'the same start is settled once deadline + grace has passed by the database clock'
 );
 SELECT is(
-    ql3_ai.recover_expired(10, interval '0'), '{"count": 0, "recovered": []}'::jsonb,
+    ql3_ai.recover_expired(10, interval '0'), '{"count": 0, "recovered": [], "failed": []}'::jsonb,
     'starts before their deadline and completed starts are never recovered'
 );
 SELECT results_eq(

@@ -1,11 +1,14 @@
--- Privileges of the contract core (SPEC 5): the ledger and contract tables of
--- sql/core/0002_contracts.sql and the canonical functions of sql/core/0001_canonical.sql.
+-- Privileges of the contract core (SPEC 5, D46): the ledger and contract tables of
+-- sql/core/0002_contracts.sql, the outbox's sequence, and the functions of
+-- sql/core/0001_canonical.sql and sql/core/0002_contracts.sql.
 --
+-- One trust boundary (D46): every role reads, and writes only through the functions of its
+-- job, which run as ql3_owner (SECURITY DEFINER, search_path pinned with pg_temp last).
 -- Scope: exactly those tables and functions. Tables and functions of later migrations
 -- (runs, step_runs, ...) get their own privilege file; the schema-wide checks at the end
--- (no PUBLIC execute, no SECURITY DEFINER, pinned search_path, ownership) cover them too.
+-- cover them too, and 15b_privilege_catalog.sql holds the exact lists of both schemas.
 BEGIN;
-SELECT plan(194);
+SELECT plan(261);
 SET LOCAL client_min_messages = warning;
 
 \ir lib/privilege_helpers.sql
@@ -30,6 +33,8 @@ FROM (VALUES
 ) AS g (role, privs);
 
 -- Tables: one row per table, one column per role --------------------------------------------
+-- Reads only (D46): the functions are the writers, running as ql3_owner. Every role reads
+-- the migration ledger.
 
 CREATE TABLE tests.expected_table_privs AS
 SELECT
@@ -37,12 +42,12 @@ SELECT
     g.role::name AS role,
     g.privs::name [] AS privs
 FROM (VALUES
-    ('schema_history', '{}', '{}', '{}', '{SELECT}', '{}'),
+    ('schema_history', '{SELECT}', '{SELECT}', '{SELECT}', '{SELECT}', '{}'),
     ('contract_families', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
-    ('contract_revisions', '{SELECT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
-    ('revision_revocations', '{SELECT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
-    ('active_revisions', '{SELECT}', '{}', '{SELECT,INSERT,UPDATE}', '{SELECT}', '{}'),
-    ('contract_outbox', '{}', '{SELECT}', '{SELECT,INSERT}', '{SELECT}', '{}')
+    ('contract_revisions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    ('revision_revocations', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    ('active_revisions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    ('contract_outbox', '{}', '{SELECT}', '{SELECT}', '{SELECT}', '{}')
 ) AS t (table_name, runtime, relay, operator, reader, public)
 CROSS JOIN LATERAL (VALUES
     (1, 'ql3_runtime', t.runtime),
@@ -64,39 +69,32 @@ SELECT table_privs_are(
 FROM tests.expected_table_privs AS e
 ORDER BY e.table_name, e.role;
 
--- No column-level grant hides behind the table-level ones, except the relay's UPDATE of
--- the outbox delivery columns (checked column by column below).
+-- No column-level grant hides behind the table-level ones (the relay's former UPDATE of the
+-- outbox delivery columns is gone: mark_outbox_delivered and mark_outbox_failed write them).
 SELECT any_column_privs_are(
-    'ql3', e.table_name, e.role, tests.column_privs(e.privs, c.extra),
-    format('%s has exactly %s on the columns of ql3.%s', e.role, tests.column_privs(e.privs, c.extra), e.table_name)
+    'ql3', e.table_name, e.role, tests.column_privs(e.privs, '{}'),
+    format('%s has exactly %s on the columns of ql3.%s', e.role, tests.column_privs(e.privs, '{}'), e.table_name)
 )
 FROM tests.expected_table_privs AS e
-CROSS JOIN LATERAL (
-    VALUES (CASE WHEN (e.table_name, e.role) = ('contract_outbox', 'ql3_relay') THEN '{UPDATE}' ELSE '{}' END::name [])
-) AS c (extra)
 ORDER BY e.table_name, e.role;
 
-SELECT column_privs_are(
-    'ql3', 'contract_outbox', c.column_name, 'ql3_relay', c.privs,
-    format('ql3_relay has exactly %s on column ql3.contract_outbox.%s', c.privs, c.column_name)
+-- The outbox's sequence: nobody but its owner may use, read or advance it.
+SELECT sequence_owner_is(
+    'ql3', 'contract_outbox_seq_seq', 'ql3_owner', 'ql3_owner owns sequence ql3.contract_outbox_seq_seq'
+);
+SELECT sequence_privs_are(
+    'ql3', 'contract_outbox_seq_seq', g.role, '{}'::name [],
+    format('%s has no privilege on sequence ql3.contract_outbox_seq_seq', g.role)
 )
 FROM (VALUES
-    ('seq', '{SELECT}'::name []),
-    ('event_id', '{SELECT}'),
-    ('event_type', '{SELECT}'),
-    ('project_id', '{SELECT}'),
-    ('contract_family', '{SELECT}'),
-    ('contract_id', '{SELECT}'),
-    ('old_revision_id', '{SELECT}'),
-    ('new_revision_id', '{SELECT}'),
-    ('pointer_version', '{SELECT}'),
-    ('created_at', '{SELECT}'),
-    ('delivered_at', '{SELECT,UPDATE}'),
-    ('relay_attempts', '{SELECT,UPDATE}'),
-    ('last_error', '{SELECT,UPDATE}')
-) AS c (column_name, privs);
+    (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')
+) AS g (ord, role)
+ORDER BY g.ord;
 
--- Functions: one row per public function, with the roles that may execute it ---------------
+-- Functions: one row per function of 0001_canonical.sql and 0002_contracts.sql -------------
+-- with the roles that may execute it. Every `_` helper (trigger functions included: a
+-- trigger fires without EXECUTE) is the owner's alone: the public functions that call one
+-- run as its owner.
 
 SELECT function_privs_are(
     'ql3', f.function_name, f.args, g.role,
@@ -122,18 +120,27 @@ FROM (VALUES
     (14, 'mark_outbox_failed', '{bigint[],text}', '{ql3_relay}'),
     (15, 'outbox_backlog', '{}', '{ql3_relay,ql3_operator,ql3_reader}'),
     (16, 'wake_relays', '{}', '{ql3_operator}'),
-    -- A helper of put_revision and activate_revision only: no runtime-callable function
-    -- checks a family against ql3.contract_families, so the runtime has no EXECUTE on it.
-    (17, '_check_family', '{text}', '{ql3_operator}'),
-    -- The outbox's event_id default: whoever may insert an outbox row must be able to run it.
-    (18, '_uuid_v7', '{}', '{ql3_operator}')
+    (17, '_jcs_sort_key', '{text}', '{}'),
+    (18, '_jcs_number', '{text}', '{}'),
+    (19, '_jcs_value', '{jsonb,integer}', '{}'),
+    (20, '_framed_digest', '{text,text}', '{}'),
+    (21, '_identity', '{text,text,text,text}', '{}'),
+    (22, '_uuid_v7', '{}', '{}'),
+    (23, '_check_identifier', '{text,text}', '{}'),
+    (24, '_check_family', '{text}', '{}'),
+    (25, '_lock_pointer', '{text,text,text,text}', '{}'),
+    (26, '_revision_of', '{uuid}', '{}'),
+    (27, '_reject_mutation', '{}', '{}'),
+    (28, '_guard_outbox', '{}', '{}'),
+    (29, '_notify_outbox', '{}', '{}')
 ) AS f (ord, function_name, args, grantees)
 CROSS JOIN (VALUES
-    (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader')
+    (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')
 ) AS g (ord, role)
 ORDER BY f.ord, g.ord;
 
 -- Schema-wide rules for every function in ql3 -----------------------------------------------
+-- (15b_privilege_catalog.sql holds the exact lists for both schemas.)
 
 SELECT is_empty(
     $$SELECT p.oid::regprocedure::text
@@ -150,8 +157,10 @@ SELECT is_empty(
     $$SELECT p.oid::regprocedure::text
       FROM pg_proc AS p
       INNER JOIN pg_namespace AS n ON p.pronamespace = n.oid
-      WHERE n.nspname = 'ql3' AND p.prosecdef$$,
-    'no function in schema ql3 is SECURITY DEFINER: the grants are what permit the work'
+      WHERE n.nspname = 'ql3' AND p.proacl IS NOT NULL
+        AND starts_with(p.proname, '_')
+        AND EXISTS (SELECT 1 FROM aclexplode(p.proacl) AS a WHERE a.grantee <> p.proowner)$$,
+    'no role but the owner may execute a `_` function in schema ql3'
 );
 
 SELECT is_empty(
@@ -159,8 +168,11 @@ SELECT is_empty(
       FROM pg_proc AS p
       INNER JOIN pg_namespace AS n ON p.pronamespace = n.oid
       WHERE n.nspname = 'ql3' AND NOT starts_with(p.proname, '_')
-        AND NOT coalesce('search_path=pg_catalog, ql3' = ANY(p.proconfig), FALSE)$$,
-    'every public function in schema ql3 pins search_path = pg_catalog, ql3'
+        AND NOT coalesce(
+            CASE WHEN p.prosecdef THEN 'search_path=pg_catalog, ql3, pg_temp'
+                 ELSE 'search_path=pg_catalog, ql3' END = ANY(p.proconfig),
+            FALSE)$$,
+    'every public function in schema ql3 pins search_path: pg_catalog, ql3, and pg_temp last when SECURITY DEFINER'
 );
 
 SELECT is_empty(
@@ -224,7 +236,7 @@ SET LOCAL ROLE ql3_relay;
 
 SELECT ok(
     (SELECT count(*) FROM ql3.claim_outbox(10000) AS o WHERE o.project_id = 'tap06-relay') = 1,
-    'ql3_relay claims outbox rows (FOR UPDATE with column-level UPDATE only)'
+    'ql3_relay claims outbox rows (through claim_outbox, which runs as the owner)'
 );
 SELECT is(
     ql3.mark_outbox_failed(array(SELECT seq FROM ql3.contract_outbox WHERE project_id = 'tap06-relay'), 'redis down'),
@@ -237,6 +249,10 @@ SELECT is(
     'ql3_relay marks a row delivered'
 );
 SELECT lives_ok($$SELECT * FROM ql3.outbox_backlog()$$, 'ql3_relay reads the backlog');
+SELECT throws_ok(
+    $$UPDATE ql3.contract_outbox SET delivered_at = NULL WHERE project_id = 'tap06-relay'$$,
+    '42501', NULL, 'ql3_relay cannot update contract_outbox.delivered_at by hand'
+);
 SELECT throws_ok(
     $$UPDATE ql3.contract_outbox SET project_id = 'elsewhere' WHERE project_id = 'tap06-relay'$$,
     '42501', NULL, 'ql3_relay cannot update contract_outbox.project_id'

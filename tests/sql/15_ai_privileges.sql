@@ -1,12 +1,14 @@
--- Roles and grants of the runs and ql3_ai objects (SPEC section 5): exact privileges of every
--- role on every new table and function, what each role can and cannot do, immutability.
--- Table-driven like 06_privileges.sql: one row per object with what each role holds.
+-- Roles and grants of the runs and ql3_ai objects (SPEC section 5, D46): exact privileges of
+-- every role on every new table and function, what each role can and cannot do, immutability.
+-- Table-driven like 06_privileges.sql: one row per object with what each role holds. One
+-- trust boundary: every role only reads; the functions of its job, running as ql3_owner,
+-- are its only way to write.
 BEGIN;
 SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refused anyway
 \ir lib/invocation_helpers.sql
 \ir lib/privilege_helpers.sql
 
-SELECT plan(358);
+SELECT plan(494);
 
 -- Schema and catalogue -----------------------------------------------------------------------
 
@@ -40,22 +42,30 @@ SELECT is_empty(
         AND (p.proacl IS NULL OR EXISTS (SELECT 1 FROM aclexplode(p.proacl) AS a WHERE a.grantee = 0))$$,
     'PUBLIC may execute none of the new functions'
 );
-SELECT is_empty(
+SELECT set_eq(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
       WHERE (p.pronamespace = 'ql3_ai'::regnamespace OR p.oid IN ('ql3.create_run(text, text, uuid)'::regprocedure,
                                                                    'ql3.add_step_run(uuid, text, uuid)'::regprocedure))
         AND p.prosecdef$$,
-    'every new function is SECURITY INVOKER: the grants are what permit the work'
+    ARRAY['ql3.create_run(text,text,uuid)', 'ql3.add_step_run(uuid,text,uuid)', 'ql3_ai.admit_invocation(jsonb)',
+          'ql3_ai.complete_invocation(jsonb)', 'ql3_ai.resolve_invocation(jsonb)',
+          'ql3_ai.recover_expired(integer,interval)'],
+    'exactly the new functions that write are SECURITY DEFINER: they run as ql3_owner, the only writer (D46)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
       WHERE p.oid IN ('ql3.create_run(text, text, uuid)'::regprocedure, 'ql3.add_step_run(uuid, text, uuid)'::regprocedure,
                       'ql3_ai.admit_invocation(jsonb)'::regprocedure, 'ql3_ai.complete_invocation(jsonb)'::regprocedure,
                       'ql3_ai.resolve_invocation(jsonb)'::regprocedure,
-                      'ql3_ai.recover_expired(integer, interval)'::regprocedure,
-                      'ql3_ai.usage_summary(text, timestamptz, timestamptz)'::regprocedure)
+                      'ql3_ai.recover_expired(integer, interval)'::regprocedure)
+        AND NOT coalesce(p.proconfig @> ARRAY['search_path=pg_catalog, ql3, pg_temp'], FALSE)$$,
+    'every SECURITY DEFINER entry point pins search_path = pg_catalog, ql3, pg_temp (pg_temp last)'
+);
+SELECT is_empty(
+    $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
+      WHERE p.oid = 'ql3_ai.usage_summary(text, timestamptz, timestamptz)'::regprocedure
         AND NOT coalesce(p.proconfig @> ARRAY['search_path=pg_catalog, ql3'], FALSE)$$,
-    'every public entry point pins search_path = pg_catalog, ql3'
+    'usage_summary (SECURITY INVOKER, it only reads) pins search_path = pg_catalog, ql3'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
@@ -91,8 +101,8 @@ SELECT has_index(
 );
 
 -- Tables: one row per table, one column per role --------------------------------------------
--- Receipts are SELECT and INSERT at most, for every role; no role but the owner can change
--- or lock them.
+-- Reads only: no role but the owner writes, changes or locks a run, a step or a receipt
+-- (D46); the functions of each role's job are its writers. Every role reads the ledger.
 
 CREATE TABLE tests.expected_table_privs AS
 SELECT
@@ -103,16 +113,15 @@ SELECT
     g.role::name AS role,
     g.privs::name [] AS privs
 FROM (VALUES
-    (1, 'ql3', 'runs', '{SELECT,INSERT,UPDATE}', '{}', '{SELECT,UPDATE}', '{SELECT}', '{}'),
-    (2, 'ql3', 'step_runs', '{SELECT,INSERT,UPDATE}', '{}', '{SELECT,UPDATE}', '{SELECT}', '{}'),
-    (3, 'ql3', 'run_events', '{SELECT,INSERT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
-    (4, 'ql3', 'step_run_mutations', '{SELECT,INSERT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
-    (5, 'ql3_ai', 'feature_history', '{}', '{}', '{}', '{SELECT}', '{}'),
-    (6, 'ql3_ai', 'model_invocation_starts', '{SELECT,INSERT}', '{}', '{SELECT}', '{SELECT}', '{}'),
-    (7, 'ql3_ai', 'model_invocation_completions', '{SELECT,INSERT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
-    -- The runtime cannot settle its own unknown outcomes, not even by INSERT (D10).
-    (8, 'ql3_ai', 'model_invocation_resolutions', '{SELECT}', '{}', '{SELECT,INSERT}', '{SELECT}', '{}'),
-    (9, 'ql3_ai', 'usage_ledger', '{SELECT,INSERT}', '{}', '{SELECT}', '{SELECT}', '{}')
+    (1, 'ql3', 'runs', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (2, 'ql3', 'step_runs', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (3, 'ql3', 'run_events', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (4, 'ql3', 'step_run_mutations', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (5, 'ql3_ai', 'feature_history', '{SELECT}', '{SELECT}', '{SELECT}', '{SELECT}', '{}'),
+    (6, 'ql3_ai', 'model_invocation_starts', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (7, 'ql3_ai', 'model_invocation_completions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (8, 'ql3_ai', 'model_invocation_resolutions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    (9, 'ql3_ai', 'usage_ledger', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}')
 ) AS t (ord, schema_name, table_name, runtime, relay, operator, reader, public)
 CROSS JOIN LATERAL (VALUES
     (1, 'ql3_runtime', t.runtime),
@@ -147,7 +156,8 @@ FROM tests.expected_table_privs AS e
 ORDER BY e.table_ord, e.role_ord;
 
 -- Functions: one row per function, with the roles that may execute it ----------------------
--- Helpers included: everything is SECURITY INVOKER, so a caller needs them too.
+-- The `_` helpers (trigger functions included: a trigger fires without EXECUTE) are the
+-- owner's alone: the functions that call them run as their owner (D46).
 
 SELECT function_privs_are(
     f.schema_name, f.function_name, f.args, g.role,
@@ -159,25 +169,24 @@ SELECT function_privs_are(
 FROM (VALUES
     (1, 'ql3', 'create_run', '{text,text,uuid}'::name [], '{ql3_runtime}'::name []),
     (2, 'ql3', 'add_step_run', '{uuid,text,uuid}', '{ql3_runtime}'),
-    (3, 'ql3', '_now', '{}', '{ql3_runtime,ql3_operator}'),
+    (3, 'ql3', '_now', '{}', '{}'),
     (4, 'ql3_ai', 'admit_invocation', '{jsonb}', '{ql3_runtime}'),
     (5, 'ql3_ai', 'complete_invocation', '{jsonb}', '{ql3_runtime}'),
     -- Resolution and recovery are the operator's: the runtime never settles its own outcomes.
     (6, 'ql3_ai', 'resolve_invocation', '{jsonb}', '{ql3_operator}'),
     (7, 'ql3_ai', 'recover_expired', '{integer,interval}', '{ql3_operator}'),
     (8, 'ql3_ai', 'usage_summary', '{text,timestamptz,timestamptz}', '{ql3_runtime,ql3_operator,ql3_reader}'),
-    (9, 'ql3_ai', '_check_shape', '{text,jsonb,text,"text[]","text[]"}', '{ql3_runtime,ql3_operator}'),
-    (10, 'ql3_ai', '_checked_digest', '{text,text,jsonb}', '{ql3_runtime,ql3_operator}'),
-    (11, 'ql3_ai', '_uuid', '{text,text}', '{ql3_runtime}'),
-    (12, 'ql3_ai', '_check_sha256', '{text,text}', '{ql3_runtime,ql3_operator}'),
-    (13, 'ql3_ai', '_timestamp', '{text,text}', '{ql3_runtime}'),
-    (14, 'ql3_ai', '_utc', '{timestamptz}', '{ql3_runtime,ql3_operator}'),
-    (15, 'ql3_ai', '_identities', '{text,text}', '{ql3_runtime,ql3_operator}'),
-    (16, 'ql3_ai', '_verify_receipt', '{text,text,jsonb,text}', '{ql3_runtime,ql3_operator}'),
-    (17, 'ql3_ai', '_write_completion', '{ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean}',
-     '{ql3_runtime,ql3_operator}'),
-    -- A trigger function: triggers fire without EXECUTE, so nobody holds it.
-    (18, 'ql3_ai', '_require_resolution', '{}', '{}')
+    (9, 'ql3_ai', '_check_shape', '{text,jsonb,text,"text[]","text[]"}', '{}'),
+    (10, 'ql3_ai', '_checked_digest', '{text,text,jsonb}', '{}'),
+    (11, 'ql3_ai', '_uuid', '{text,text}', '{}'),
+    (12, 'ql3_ai', '_check_sha256', '{text,text}', '{}'),
+    (13, 'ql3_ai', '_timestamp', '{text,text}', '{}'),
+    (14, 'ql3_ai', '_utc', '{timestamptz}', '{}'),
+    (15, 'ql3_ai', '_identities', '{text,text}', '{}'),
+    (16, 'ql3_ai', '_verify_receipt', '{text,text,jsonb,text}', '{}'),
+    (17, 'ql3_ai', '_write_completion', '{ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean}', '{}'),
+    (18, 'ql3_ai', '_require_resolution', '{}', '{}'),
+    (19, 'ql3', '_refuse_step_transition', '{}', '{}')
 ) AS f (ord, schema_name, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')
@@ -186,7 +195,7 @@ ORDER BY f.ord, g.ord;
 
 -- Refusals: one row per statement a role's grants must not permit --------------------------
 -- Whatever the rows: the privilege check comes first. Locking a row in any mode needs
--- UPDATE, so no role but the owner can lock a receipt or a run event.
+-- UPDATE, so no role but the owner can lock a run, a step, a receipt or a run event.
 
 CREATE TABLE tests.refusals AS
 SELECT
@@ -200,9 +209,12 @@ FROM (VALUES
     (3, 'ql3_ai', 'model_invocation_resolutions', 'invocation_id'),
     (4, 'ql3_ai', 'usage_ledger', 'invocation_id'),
     (5, 'ql3', 'run_events', 'event_id'),
-    (6, 'ql3', 'step_run_mutations', 'mutation_id')
+    (6, 'ql3', 'step_run_mutations', 'mutation_id'),
+    (7, 'ql3', 'runs', 'run_id'),
+    (8, 'ql3', 'step_runs', 'step_run_id')
 ) AS t (ord, schema_name, table_name, column_name)
 CROSS JOIN (VALUES
+    (0, 'INSERT INTO %1$I.%2$I DEFAULT VALUES', 'INSERT into', ''),
     (1, 'UPDATE %1$I.%2$I SET %3$I = %3$I', 'UPDATE', ''),
     (2, 'DELETE FROM %1$I.%2$I', 'DELETE from', ''),
     (3, 'TRUNCATE %1$I.%2$I', 'TRUNCATE', ''),
@@ -211,7 +223,7 @@ CROSS JOIN (VALUES
     (6, 'SELECT 1 FROM %1$I.%2$I FOR SHARE', 'lock', ' FOR SHARE'),
     (7, 'SELECT 1 FROM %1$I.%2$I FOR KEY SHARE', 'lock', ' FOR KEY SHARE')
 ) AS s (ord, statement, verb, suffix)
-CROSS JOIN (VALUES ('ql3_runtime'), ('ql3_operator'), ('ql3_reader')) AS g (role);
+CROSS JOIN (VALUES ('ql3_runtime'), ('ql3_relay'), ('ql3_operator'), ('ql3_reader')) AS g (role);
 GRANT SELECT ON tests.refusals TO PUBLIC;  -- noqa: CP02
 
 -- The roles at work: the runtime admits and completes, the operator resolves and recovers.
@@ -291,6 +303,8 @@ SELECT throws_ok(
 SELECT throws_ok(
     $$SELECT * FROM ql3_ai.usage_summary('proj', NULL, NULL)$$, '42501', NULL, 'the relay cannot read usage'
 );
+SELECT throws_ok(r.statement, '42501', NULL, r.description)
+FROM tests.refusals AS r WHERE r.role = 'ql3_relay' ORDER BY r.ord;
 
 -- Receipts are immutable for the owner too.
 

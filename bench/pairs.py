@@ -20,7 +20,8 @@ SQL, the admission and the completion each one autocommitted statement of data-m
 CTEs (so two transactions per pgbench transaction, as for a pair), with no function, no
 validation and no digest computation (ids and digests are md5 strings of the same length
 as the real sha256 ones, unique per step), on the same schema (every constraint, foreign
-key, index and trigger in place), as ``ql3_runtime``, on its own fresh batch of ready
+key, index and trigger in place), as ``ql3_owner`` (since D46 no other role may write the
+tables), on its own fresh batch of ready
 steps. The step's row lock is taken by the fenced UPDATE itself. It answers what the
 schema's required writing alone costs; once per run the floor is checked to change every
 table exactly as a pair does (rows, counters, bytes).
@@ -63,6 +64,8 @@ CLIENT_COUNTS = (1, 8)
 ROUNDS = 5
 ROUND_SECONDS = 4
 RUNTIME_ENV = {"PGOPTIONS": "-c role=ql3_runtime"}
+# The floor writes the tables directly, which only their owner may do (D46).
+OWNER_ENV = {"PGOPTIONS": "-c role=ql3_owner"}
 
 PAIR_SCRIPT = """\
 \\set idx :base + :client_id * 1000000 + :n
@@ -344,11 +347,14 @@ class _Pairs:
     next base of ``bases``, which the sides share, so that ids never collide and every
     batch sorts after all earlier ones) before every pgbench run."""
 
-    def __init__(self, name: str, dsn: str, script: str, bases: Iterator[int]) -> None:
+    def __init__(
+        self, name: str, dsn: str, script: str, bases: Iterator[int], env: dict[str, str]
+    ) -> None:
         self.name = name
         self.dsn = dsn
         self.script = script
         self.bases = bases
+        self.env = env
         # What the last run changed (``_FOOTPRINT_SQL``) when it was asked to count.
         self.footprint: dict[str, int] | None = None
 
@@ -367,7 +373,7 @@ class _Pairs:
             ["-n", "-f", self.script, "-D", f"base={base}", "-D", "n=0"],
             clients=clients,
             seconds=seconds,
-            env=RUNTIME_ENV,
+            env=self.env,
         )
         written = _completions(self.dsn) - before
         if run.failed or written != run.transactions:
@@ -507,8 +513,8 @@ def run(settings: Settings) -> Result:
                 capture_output=True,
             )
             bases = itertools.count(_BASE0 + _BATCH, _BATCH)
-            pairs = _Pairs("pairs", dsn, f.name, bases)
-            floor = _Pairs("floor", dsn, ff.name, bases)
+            pairs = _Pairs("pairs", dsn, f.name, bases, RUNTIME_ENV)
+            floor = _Pairs("floor", dsn, ff.name, bases, OWNER_ENV)
             for clients in CLIENT_COUNTS:
                 # Warm-up (plans, buffers); its rate sizes the batch of ready steps. The
                 # first warm-ups also count what one pair and one floor pair change.
@@ -659,7 +665,7 @@ def run(settings: Settings) -> Result:
             " ready->running, run event_seq/version, run event, step mutation; then completion"
             " receipt, usage_ledger row, step running->succeeded, run, run event, mutation)"
             " written by plain SQL, one autocommitted statement of data-modifying CTEs per"
-            " transaction, two transactions per pgbench transaction, as ql3_runtime, on the same"
+            " transaction, two transactions per pgbench transaction, as ql3_owner, on the same"
             " schema (all constraints, foreign keys, indexes and triggers), on its own fresh"
             " batches of ready steps, one more pgbench side of every round; no function, no"
             " validation, no reads beyond the fenced step/run UPDATEs (which take the row locks),"

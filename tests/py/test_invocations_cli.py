@@ -243,7 +243,7 @@ def test_recover_once_prints_what_it_settled(
     step_row = runtime.step_run(step)
     assert step_row is not None and step_row["status"] == "lost"
     code, result, _ = run(capsys, "recover", "--grace", "0")
-    assert code == 0 and result == {"count": 0, "recovered": []}
+    assert code == 0 and result == {"count": 0, "recovered": [], "failed": []}
     code, _, err = run(capsys, "recover", "--limit", "0")
     assert code == 2 and err.startswith("error: QL3_INVALID_ARGUMENT")  # a bad setting
 

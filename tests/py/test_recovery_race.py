@@ -48,7 +48,7 @@ def test_two_recoveries_holding_steps_of_two_runs_in_opposite_orders_both_finish
     operator = role_dsn(db_dsn, "operator")
     results: dict[str, Any] = {}
     with (
-        psycopg.connect(operator) as blocker,
+        psycopg.connect(db_dsn) as blocker,  # only the owner (or a superuser) may lock a run
         psycopg.connect(operator, autocommit=True) as a,
         psycopg.connect(operator, autocommit=True) as b,
         psycopg.connect(db_dsn, autocommit=True) as watch,

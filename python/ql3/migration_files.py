@@ -40,6 +40,7 @@ OWNED_TABLES: Mapping[str, frozenset[str]] = {
             "step_runs",
             "run_events",
             "step_run_mutations",
+            "project_grants",
         }
     ),
     AI: frozenset(
@@ -49,6 +50,7 @@ OWNED_TABLES: Mapping[str, frozenset[str]] = {
             "model_invocation_completions",
             "model_invocation_resolutions",
             "usage_ledger",
+            "resolver_identities",
         }
     ),
 }

@@ -206,6 +206,12 @@ BEGIN
         -- The parts go into an array (an expanded array in PL/pgSQL: each assignment is
         -- amortised O(1)) and are joined once; appending to one text instead copied it
         -- whole per element, quadratic in the array's length.
+        IF depth = 1 THEN
+            -- A value read from a table may still be compressed or stored out of line, and
+            -- node -> i would then fetch and decompress all of it for every element (only
+            -- the root can be: what it contains is in memory once it is). One copy instead.
+            node := node || '[]'::jsonb;
+        END IF;
         FOR i IN 0 .. n - 1 LOOP
             child := node -> i;
             parts[i + 1] := CASE jsonb_typeof(child)

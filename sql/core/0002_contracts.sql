@@ -113,6 +113,143 @@ COMMENT ON TABLE ql3.contract_outbox IS
 
 CREATE INDEX contract_outbox_undelivered ON ql3.contract_outbox (seq) WHERE delivered_at IS NULL;
 
+-- Project isolation (D47). An operator maps login roles to the projects they may act on
+-- (ql3.grant_project); a deployment that maps none keeps the single-tenant behaviour, in
+-- which every login acts on every project. Once one mapping exists, a session acts on a
+-- project only when its session_user is a member of a role mapped to that project, or to
+-- every project (project_id NULL). The writing functions check it (they run as the owner,
+-- so session_user is still the login); row-level security limits what the roles read.
+CREATE TABLE ql3.project_grants (
+    role_name name NOT NULL,
+    project_id text CHECK (char_length(project_id) BETWEEN 1 AND 128),  -- NULL: every project
+    granted_by name NOT NULL,
+    granted_at timestamptz NOT NULL DEFAULT now(),
+    UNIQUE NULLS NOT DISTINCT (role_name, project_id)
+);
+
+COMMENT ON TABLE ql3.project_grants IS
+'Which login roles (and their members) act on which projects; no row at all = single tenant.';
+
+CREATE INDEX project_grants_project ON ql3.project_grants (project_id);
+
+-- SQL without a SET clause, every name qualified: inlined into the functions that call it.
+-- A role that was dropped after its grant matches nobody (the join), instead of making
+-- pg_has_role fail every call.
+CREATE FUNCTION ql3._may_act(p_project_id text) RETURNS boolean
+LANGUAGE sql STABLE
+AS $$
+    SELECT NOT EXISTS (SELECT 1 FROM ql3.project_grants)
+        OR EXISTS (
+            SELECT 1
+            FROM ql3.project_grants AS g
+            INNER JOIN pg_catalog.pg_roles AS r ON r.rolname = g.role_name
+            WHERE (g.project_id = p_project_id OR g.project_id IS NULL)
+              AND pg_catalog.pg_has_role(session_user, r.oid, 'MEMBER')
+        )
+$$;
+
+COMMENT ON FUNCTION ql3._may_act(text) IS
+'True when the session may act on the project: no grants at all, or one that covers its session_user.';
+
+CREATE FUNCTION ql3.may_act_on(p_project_id text) RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+    SELECT ql3._may_act(p_project_id)
+$$;
+
+COMMENT ON FUNCTION ql3.may_act_on(text) IS
+'Whether this session may act on a project (D47): what every writing function checks.';
+
+CREATE FUNCTION ql3.visible_projects() RETURNS text []
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+    SELECT CASE
+        WHEN NOT EXISTS (SELECT 1 FROM ql3.project_grants) THEN NULL
+        WHEN EXISTS (
+            SELECT 1 FROM ql3.project_grants AS g
+            INNER JOIN pg_catalog.pg_roles AS r ON r.rolname = g.role_name
+            WHERE g.project_id IS NULL AND pg_catalog.pg_has_role(session_user, r.oid, 'MEMBER')
+        ) THEN NULL
+        ELSE coalesce((
+            SELECT array_agg(DISTINCT g.project_id ORDER BY g.project_id)
+            FROM ql3.project_grants AS g
+            INNER JOIN pg_catalog.pg_roles AS r ON r.rolname = g.role_name
+            WHERE pg_catalog.pg_has_role(session_user, r.oid, 'MEMBER')
+        ), '{}')
+    END
+$$;
+
+COMMENT ON FUNCTION ql3.visible_projects() IS
+'The projects this session may act on (D47); NULL means every project.';
+
+CREATE FUNCTION ql3.grant_project(p_role name, p_project_id text) RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+BEGIN
+    IF p_role IS NULL OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles AS r WHERE r.rolname = p_role) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3V01',
+            MESSAGE = format('QL3_INVALID_ARGUMENT: no role %s', coalesce(quote_ident(p_role), 'NULL'));
+    END IF;
+    IF p_project_id IS NOT NULL THEN
+        PERFORM ql3._check_identifier('project_id', p_project_id);
+    END IF;
+    -- Only a session that may act on the project (on every project, for NULL) may hand it on.
+    IF (p_project_id IS NULL AND ql3.visible_projects() IS NOT NULL)
+       OR (p_project_id IS NOT NULL AND NOT ql3._may_act(p_project_id)) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '42501',
+            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not grant %s', session_user,
+                             coalesce('project ' || quote_literal(p_project_id), 'every project'));
+    END IF;
+    INSERT INTO ql3.project_grants (role_name, project_id, granted_by)
+    VALUES (p_role, p_project_id, session_user)
+    ON CONFLICT DO NOTHING;
+    RETURN found;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.grant_project(name, text) IS
+'Lets the members of a role act on a project (NULL: every project); true if the grant is new. The first grant turns isolation on.';
+
+CREATE FUNCTION ql3.revoke_project(p_role name, p_project_id text) RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+BEGIN
+    IF (p_project_id IS NULL AND ql3.visible_projects() IS NOT NULL)
+       OR (p_project_id IS NOT NULL AND NOT ql3._may_act(p_project_id)) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '42501',
+            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not revoke %s', session_user,
+                             coalesce('project ' || quote_literal(p_project_id), 'every project'));
+    END IF;
+    -- Serialises revocations, so that two of them cannot each leave the other's last grant.
+    LOCK TABLE ql3.project_grants IN SHARE ROW EXCLUSIVE MODE;
+    IF (SELECT count(*) FROM ql3.project_grants) = 1
+       AND EXISTS (SELECT 1 FROM ql3.project_grants AS g
+                   WHERE g.role_name = p_role AND g.project_id IS NOT DISTINCT FROM p_project_id) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01',
+            MESSAGE = 'QL3_CONFLICT: this is the last project grant; without it every login acts on every '
+                      'project again (the owner may delete it to turn isolation off)';
+    END IF;
+    DELETE FROM ql3.project_grants AS g
+    WHERE g.role_name = p_role AND g.project_id IS NOT DISTINCT FROM p_project_id;
+    RETURN found;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.revoke_project(name, text) IS
+'Removes a grant of grant_project; true if it existed. The last grant is refused: isolation stays on.';
+
 -- Immutability: enforced by trigger so that it binds the owner too.
 
 CREATE FUNCTION ql3._reject_mutation() RETURNS trigger
@@ -247,6 +384,24 @@ $$;
 
 COMMENT ON FUNCTION ql3._check_identifier(text, text) IS 'Raises unless value is 1..128 characters.';
 
+CREATE FUNCTION ql3._require_project(p_project_id text) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+BEGIN
+    IF NOT ql3._may_act(p_project_id) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '42501',
+            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not act on project %s', session_user,
+                             coalesce(quote_literal(p_project_id), 'NULL')),
+            HINT = 'an operator grants projects with ql3.grant_project (D47)';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._require_project(text) IS
+'Raises QL3_PERMISSION_DENIED (42501) unless the session may act on the project (D47).';
+
 CREATE FUNCTION ql3._check_family(family text) RETURNS void
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, ql3
@@ -305,6 +460,7 @@ DECLARE
     result ql3.contract_revisions;
 BEGIN
     PERFORM ql3._check_identifier('project_id', p_project_id);
+    PERFORM ql3._require_project(p_project_id);
     PERFORM ql3._check_family(p_contract_family);
     PERFORM ql3._check_identifier('contract_id', p_contract_id);
     PERFORM ql3._check_identifier('actor', p_actor);
@@ -370,7 +526,8 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: revision_id is required';
     END IF;
     SELECT * INTO result FROM ql3.contract_revisions AS r WHERE r.revision_id = p_revision_id;
-    IF NOT found THEN
+    -- Another project's revision is as absent as one that never existed (D47).
+    IF NOT found OR NOT ql3._may_act(result.project_id) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3N01',
             MESSAGE = format('QL3_NOT_FOUND: revision %s does not exist', p_revision_id);
@@ -399,6 +556,7 @@ DECLARE
     old_version bigint;
     event ql3.contract_outbox;
 BEGIN
+    PERFORM ql3._require_project(p_project_id);
     -- Fast path: a revision of exactly this contract proves project, family and contract
     -- valid (its row passed the same checks). Anything else takes the slow path, whose
     -- checks run in the documented order and raise the precise error.
@@ -448,11 +606,6 @@ BEGIN
     IF old_revision_id = p_revision_id THEN
         RETURN;  -- already active: no row (D3)
     END IF;
-    -- The policy fence's other half (see ql3_ai.admit_invocation, D46): wait for the
-    -- admissions under this pointer that hold it shared, and hold off new ones until COMMIT.
-    PERFORM pg_advisory_xact_lock(
-        7433267, hashtext(concat_ws(chr(31), p_project_id, p_contract_family, p_contract_id)));
-
     UPDATE ql3.active_revisions AS a
     SET active_revision_id = p_revision_id,
         pointer_version = a.pointer_version + 1,
@@ -496,9 +649,6 @@ BEGIN
     END IF;
     revision := ql3._revision_of(p_revision_id);
     pointer := ql3._lock_pointer(revision.project_id, revision.contract_family, revision.contract_id, p_actor);
-    -- The policy fence (see activate_revision and ql3_ai.admit_invocation, D46).
-    PERFORM pg_advisory_xact_lock(
-        7433267, hashtext(concat_ws(chr(31), revision.project_id, revision.contract_family, revision.contract_id)));
 
     -- Already revoked: nothing to do. (Under REPEATABLE READ a revocation committed after
     -- our snapshot makes ON CONFLICT raise a serialization failure instead.)
@@ -654,7 +804,8 @@ COMMENT ON FUNCTION ql3.mark_outbox_failed(bigint [], text) IS
 CREATE FUNCTION ql3.outbox_backlog()
 RETURNS TABLE (undelivered bigint, oldest_age_seconds double precision, max_seq bigint)
 LANGUAGE sql STABLE
-SET search_path = pg_catalog, ql3
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
 AS $$
     SELECT
         (SELECT count(*) FROM ql3.contract_outbox AS o WHERE o.delivered_at IS NULL),
@@ -693,3 +844,31 @@ GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revo
 ql3.active_revisions, ql3.contract_outbox TO ql3_reader;
 GRANT EXECUTE ON FUNCTION ql3.active_revision(text, text, text), ql3.active_pointers(jsonb),
 ql3.outbox_backlog() TO ql3_reader;
+
+-- Project isolation (D47): every role may ask what it may act on; operators map projects.
+GRANT EXECUTE ON FUNCTION ql3.may_act_on(text), ql3.visible_projects()
+TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;
+GRANT EXECUTE ON FUNCTION ql3.grant_project(name, text), ql3.revoke_project(name, text) TO ql3_operator;
+GRANT SELECT ON ql3.project_grants TO ql3_operator;
+
+-- Row-level security: a role reads the rows of the projects it may act on (all of them
+-- while no grant exists). The owner, and so every SECURITY DEFINER function, bypasses it.
+-- visible_projects() is a scalar subquery, evaluated once per query, not per row. The
+-- relay needs no policy of its own: it claims and counts through SECURITY DEFINER
+-- functions, and outbox rows carry ids and versions, never bodies.
+ALTER TABLE ql3.contract_revisions ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3.revision_revocations ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3.active_revisions ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3.contract_outbox ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY project_rows ON ql3.contract_revisions FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));
+-- A table without project_id follows its parent row (itself under its own policy); the
+-- first test skips the lookup while isolation is off.
+CREATE POLICY project_rows ON ql3.revision_revocations FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR EXISTS (
+    SELECT 1 FROM ql3.contract_revisions AS r WHERE r.revision_id = revision_revocations.revision_id));
+CREATE POLICY project_rows ON ql3.active_revisions FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));
+CREATE POLICY project_rows ON ql3.contract_outbox FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));

@@ -150,6 +150,7 @@ DECLARE
 BEGIN
     PERFORM ql3._check_identifier('project_id', p_project_id);
     PERFORM ql3._check_identifier('trace_id', p_trace_id);
+    PERFORM ql3._require_project(p_project_id);
     INSERT INTO ql3.runs (run_id, project_id, trace_id)
     VALUES (new_id, p_project_id, p_trace_id)
     ON CONFLICT (run_id) DO NOTHING;
@@ -157,6 +158,10 @@ BEGIN
         RETURN new_id;
     END IF;
     SELECT * INTO existing FROM ql3.runs AS r WHERE r.run_id = new_id;
+    IF NOT ql3._may_act(existing.project_id) THEN  -- no word about another project (D47)
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3C01', MESSAGE = format('QL3_CONFLICT: run %s exists in another project', new_id);
+    END IF;
     IF (existing.project_id, existing.trace_id) IS DISTINCT FROM (p_project_id, p_trace_id) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3C01',
@@ -189,7 +194,8 @@ BEGIN
             MESSAGE = format('QL3_INVALID_ARGUMENT: kind must match [a-z][a-z0-9_]{0,63}, not %s',
                              coalesce(quote_literal(p_kind), 'NULL'));
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r WHERE r.run_id = p_run_id) THEN
+    -- Another project's run is as absent as one that never existed (D47).
+    IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r WHERE r.run_id = p_run_id AND ql3._may_act(r.project_id)) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3N01',
             MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', p_run_id);
@@ -226,3 +232,21 @@ TO ql3_runtime;
 GRANT SELECT ON ql3.runs, ql3.step_runs, ql3.run_events, ql3.step_run_mutations TO ql3_operator;
 
 GRANT SELECT ON ql3.runs, ql3.step_runs, ql3.run_events, ql3.step_run_mutations TO ql3_reader;
+
+-- Row-level security (D47, see 0002): the rows of the projects the session may act on.
+ALTER TABLE ql3.runs ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3.step_runs ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3.run_events ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3.step_run_mutations ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY project_rows ON ql3.runs FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));
+CREATE POLICY project_rows ON ql3.step_runs FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR EXISTS (
+    SELECT 1 FROM ql3.runs AS r WHERE r.run_id = step_runs.run_id));
+CREATE POLICY project_rows ON ql3.run_events FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR EXISTS (
+    SELECT 1 FROM ql3.runs AS r WHERE r.run_id = run_events.run_id));
+CREATE POLICY project_rows ON ql3.step_run_mutations FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR EXISTS (
+    SELECT 1 FROM ql3.step_runs AS s WHERE s.step_run_id = step_run_mutations.step_run_id));

@@ -113,6 +113,8 @@ CREATE TABLE ql3_ai.model_invocation_resolutions (
     step_run_id uuid NOT NULL,
     decision text NOT NULL CHECK (decision IN ('retry', 'fail', 'cancel')),
     user_id text NOT NULL,
+    -- The login that resolved (session_user), beside the user it resolved as (D47).
+    resolved_by name NOT NULL,
     reason text,
     command_digest text NOT NULL,
     record jsonb NOT NULL,
@@ -125,6 +127,20 @@ CREATE TABLE ql3_ai.model_invocation_resolutions (
 
 COMMENT ON TABLE ql3_ai.model_invocation_resolutions IS
 'Immutable human Resolutions of lost/outcome_unknown completions: at most one per invocation.';
+
+-- Who may resolve as whom (D47). With no row at all, a resolution may name any user_id
+-- (the single-tenant behaviour). Once one exists, a login resolves as itself (user_id =
+-- session_user) or as a user_id mapped to a role it is a member of. Managed by the owner:
+-- an operator that could map identities could map itself to anyone.
+CREATE TABLE ql3_ai.resolver_identities (
+    role_name name NOT NULL,
+    user_id text NOT NULL CHECK (char_length(user_id) BETWEEN 1 AND 128),
+    granted_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (role_name, user_id)
+);
+
+COMMENT ON TABLE ql3_ai.resolver_identities IS
+'The user_ids the members of a role may resolve as; no row at all = any user_id (single tenant).';
 
 CREATE TABLE ql3_ai.usage_ledger (
     invocation_id text PRIMARY KEY REFERENCES ql3_ai.model_invocation_completions (invocation_id),
@@ -607,6 +623,7 @@ BEGIN
         policy_revision := (policy ->> 'revision_id')::uuid;
     END IF;
 
+    PERFORM ql3._require_project(command ->> 'project_id');
     -- The step lock comes first: it orders this admission against every other
     -- transition of the step, including a concurrent admission of the same command.
     SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = admit_invocation.step_run_id FOR UPDATE;
@@ -651,16 +668,18 @@ BEGIN
                              step_run_id, step.version, expected_version);
     END IF;
 
-    -- The policy fence, after the step lock (D46). No admission under a revision commits
-    -- after the activation or revocation that replaced it committed, in any isolation level:
-    -- - READ COMMITTED: a shared advisory lock on the contract's pointer, which activation
-    --   and revocation take exclusively, orders the two; the pointer is then read by a
-    --   statement whose snapshot follows any activation or revocation that held the lock.
-    --   (A shared advisory lock lives in memory; FOR SHARE on the pointer row would write
-    --   a MultiXact to the row for every two concurrent admissions under one policy.)
-    -- - REPEATABLE READ and SERIALIZABLE: the snapshot may predate a committed revocation,
-    --   so the pointer row is read FOR SHARE, which fails with 40001 when the row changed
-    --   after the snapshot, and otherwise holds the row until COMMIT.
+    -- The policy fence, after the step lock (D46): no admission is made under a revision
+    -- that a committed activation or revocation had replaced when it was made.
+    -- - READ COMMITTED: this statement's snapshot is taken now, so it sees every change
+    --   committed before it. A change still in flight is ordered after the admission, as
+    --   if the admission had committed first. (FOR SHARE would make the two wait for each
+    --   other, at the price of a MultiXact written into the pointer row whenever two
+    --   admissions under one policy overlap; an advisory lock would be free but public:
+    --   any login may take any advisory lock, and pg_locks shows every key in use.)
+    -- - REPEATABLE READ and SERIALIZABLE: the snapshot may predate a committed change, so
+    --   the pointer row is read FOR SHARE, which fails with 40001 when the row changed
+    --   after the snapshot, and otherwise holds changes off until COMMIT. No role but the
+    --   owner can lock the row itself (row locks need UPDATE).
     IF policy_revision IS NOT NULL THEN
         SELECT true INTO family_known FROM ql3.contract_families AS f WHERE f.contract_family = policy_family;
         IF family_known IS NULL THEN
@@ -669,8 +688,6 @@ BEGIN
                 MESSAGE = format('QL3_INVALID_ARGUMENT: unknown contract family %L', policy_family);
         END IF;
         IF current_setting('transaction_isolation') = 'read committed' THEN
-            PERFORM pg_advisory_xact_lock_shared(
-                7433267, hashtext(concat_ws(chr(31), command ->> 'project_id', policy_family, policy_contract)));
             SELECT a.active_revision_id INTO active_revision FROM ql3.active_revisions AS a
             WHERE a.project_id = command ->> 'project_id' AND a.contract_family = policy_family
               AND a.contract_id = policy_contract;
@@ -695,6 +712,11 @@ BEGIN
     WHERE r.run_id = admit_invocation.run_id
     RETURNING * INTO run;
     IF (run.project_id, run.trace_id) IS DISTINCT FROM (command ->> 'project_id', command ->> 'trace_id') THEN
+        IF NOT ql3._may_act(run.project_id) THEN  -- no word about another project (D47)
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C01',
+                MESSAGE = format('QL3_CONFLICT: run %s belongs to another project', run_id);
+        END IF;
         RAISE EXCEPTION USING
             ERRCODE = 'Q3C01',
             MESSAGE = format('QL3_CONFLICT: run %s belongs to project %L and trace %L, not %L and %L',
@@ -1094,7 +1116,8 @@ BEGIN
 
     SELECT * INTO start FROM ql3_ai.model_invocation_starts AS st
     WHERE st.invocation_id = complete_invocation.invocation_id;
-    IF NOT found THEN
+    -- Another project's invocation is as absent as one never admitted (D47).
+    IF NOT found OR NOT ql3._may_act(start.project_id) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3N01',
             MESSAGE = format('QL3_NOT_FOUND: invocation %s was never admitted', invocation_id);
@@ -1222,10 +1245,24 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: reason must be null or non-empty';
     END IF;
+    IF EXISTS (SELECT 1 FROM ql3_ai.resolver_identities)
+       AND command ->> 'user_id' IS DISTINCT FROM session_user::text
+       AND NOT EXISTS (
+           SELECT 1 FROM ql3_ai.resolver_identities AS i
+           INNER JOIN pg_catalog.pg_roles AS r ON r.rolname = i.role_name
+           WHERE i.user_id = command ->> 'user_id' AND pg_catalog.pg_has_role(session_user, r.oid, 'MEMBER')
+       ) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '42501',
+            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not resolve as %L', session_user,
+                             command ->> 'user_id'),
+            HINT = 'the owner maps logins to user_ids in ql3_ai.resolver_identities (D47)';
+    END IF;
 
     SELECT * INTO start FROM ql3_ai.model_invocation_starts AS st
     WHERE st.invocation_id = resolve_invocation.invocation_id;
-    IF NOT found THEN
+    -- Another project's invocation is as absent as one never admitted (D47).
+    IF NOT found OR NOT ql3._may_act(start.project_id) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3N01',
             MESSAGE = format('QL3_NOT_FOUND: invocation %s was never admitted', invocation_id);
@@ -1311,12 +1348,12 @@ BEGIN
             'resolution record', 'ql3/model-invocation-resolution@v1', receipt);
 
         INSERT INTO ql3_ai.model_invocation_resolutions (
-            invocation_id, completion_digest, run_id, step_run_id, decision, user_id, reason, command_digest,
-            record, resolution_digest, mutation_id, event_id, dedupe_key, resolved_at
+            invocation_id, completion_digest, run_id, step_run_id, decision, user_id, resolved_by, reason,
+            command_digest, record, resolution_digest, mutation_id, event_id, dedupe_key, resolved_at
         ) VALUES (
             invocation_id, completion.completion_digest, start.run_id, start.step_run_id, decision,
-            command ->> 'user_id', command ->> 'reason', command_digest, receipt, resolution_digest,
-            mutation_id, event_id, dedupe_key, ql3._now()
+            command ->> 'user_id', session_user, command ->> 'reason', command_digest, receipt,
+            resolution_digest, mutation_id, event_id, dedupe_key, ql3._now()
         );
         -- retry clears the old result (the next admission needs a new invocation_id, its
         -- start raises attempt_count); fail and cancel keep the invocation that ended it.
@@ -1395,6 +1432,7 @@ BEGIN
             INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = s.current_invocation_id
             WHERE s.status = 'running'
               AND st.deadline_at < horizon
+              AND ql3._may_act(st.project_id)  -- the session's projects only (D47)
               AND NOT EXISTS (
                   SELECT 1 FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = st.invocation_id
               )
@@ -1478,6 +1516,11 @@ BEGIN
     IF p_from IS NOT NULL AND p_to IS NOT NULL AND p_from > p_to THEN
         RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: from is after to';
     END IF;
+    IF NOT ql3.may_act_on(p_project_id) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '42501',
+            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not act on project %L', session_user, p_project_id);
+    END IF;
     RETURN QUERY
     SELECT u.provider, u.model, u.currency, count(*), sum(u.input_tokens)::bigint, sum(u.output_tokens)::bigint,
            sum(u.cost_micros)::bigint, count(u.cost_micros), count(*) - count(u.cost_micros)
@@ -1506,10 +1549,26 @@ GRANT EXECUTE ON FUNCTION ql3_ai.admit_invocation(jsonb), ql3_ai.complete_invoca
 ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_runtime;
 
 GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
-ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_operator;
+ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger, ql3_ai.resolver_identities TO ql3_operator;
 GRANT EXECUTE ON FUNCTION ql3_ai.resolve_invocation(jsonb), ql3_ai.recover_expired(integer, interval),
 ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_operator;
 
 GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
 ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_reader;
 GRANT EXECUTE ON FUNCTION ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_reader;
+
+-- Row-level security (D47, see core 0002): the rows of the projects the session may act on.
+ALTER TABLE ql3_ai.model_invocation_starts ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3_ai.model_invocation_completions ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3_ai.model_invocation_resolutions ENABLE ROW LEVEL SECURITY;
+ALTER TABLE ql3_ai.usage_ledger ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY project_rows ON ql3_ai.model_invocation_starts FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));
+CREATE POLICY project_rows ON ql3_ai.model_invocation_completions FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));
+CREATE POLICY project_rows ON ql3_ai.model_invocation_resolutions FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR EXISTS (
+    SELECT 1 FROM ql3.runs AS r WHERE r.run_id = model_invocation_resolutions.run_id));
+CREATE POLICY project_rows ON ql3_ai.usage_ledger FOR SELECT
+USING ((SELECT ql3.visible_projects()) IS NULL OR project_id = any((SELECT ql3.visible_projects())::text []));

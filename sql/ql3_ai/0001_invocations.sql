@@ -135,7 +135,7 @@ COMMENT ON TABLE ql3_ai.model_invocation_resolutions IS
 CREATE TABLE ql3_ai.resolver_identities (
     role_name name NOT NULL,
     user_id text NOT NULL CHECK (char_length(user_id) BETWEEN 1 AND 128),
-    granted_at timestamptz NOT NULL DEFAULT now(),
+    granted_at timestamptz NOT NULL DEFAULT ql3._now(),
     PRIMARY KEY (role_name, user_id)
 );
 

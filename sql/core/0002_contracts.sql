@@ -25,7 +25,8 @@ CREATE TABLE ql3.contract_revisions (
     contract_family text NOT NULL REFERENCES ql3.contract_families (contract_family),
     contract_id text NOT NULL CHECK (char_length(contract_id) BETWEEN 1 AND 128),
     revision_no integer NOT NULL CHECK (revision_no >= 1),
-    body jsonb NOT NULL CHECK (jsonb_typeof(body) = 'object'),
+    -- The size bound of D46 again, as defence in depth: put_revision refuses more first.
+    body jsonb NOT NULL CHECK (jsonb_typeof(body) = 'object' AND pg_column_size(body) <= 196608),
     body_hash text NOT NULL CHECK (body_hash ~ '^[0-9a-f]{64}$'),
     created_at timestamptz NOT NULL DEFAULT now(),
     created_by text NOT NULL CHECK (char_length(created_by) BETWEEN 1 AND 128),

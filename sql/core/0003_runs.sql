@@ -8,12 +8,14 @@
 
 -- Constraints guard invariants, not formats: create_run, add_step_run and the ql3_ai
 -- functions validate their input, and every CHECK or FK here is paid by each of the
--- several writes of every step transition.
+-- several writes of every step transition. The exception (D46): identifier lengths and
+-- record sizes are bounded here too, as defence in depth behind the functions' checks;
+-- each is a length comparison, well under a microsecond per row.
 
 CREATE TABLE ql3.runs (
     run_id uuid PRIMARY KEY,
-    project_id text NOT NULL,
-    trace_id text NOT NULL,
+    project_id text NOT NULL CHECK (char_length(project_id) BETWEEN 1 AND 128),
+    trace_id text NOT NULL CHECK (char_length(trace_id) BETWEEN 1 AND 128),
     -- A run is 'open' for its whole life in this version; outcomes live on its steps.
     status text NOT NULL DEFAULT 'open' CHECK (status = 'open'),
     version bigint NOT NULL DEFAULT 1,
@@ -28,13 +30,13 @@ COMMENT ON TABLE ql3.runs IS
 CREATE TABLE ql3.step_runs (
     step_run_id uuid PRIMARY KEY,
     run_id uuid NOT NULL REFERENCES ql3.runs (run_id),
-    kind text NOT NULL,
+    kind text NOT NULL CHECK (char_length(kind) BETWEEN 1 AND 64),
     status text NOT NULL DEFAULT 'ready',
     version bigint NOT NULL DEFAULT 1,
     attempt_count integer NOT NULL DEFAULT 0,
-    current_invocation_id text,
-    output_ref text,
-    result_code text,
+    current_invocation_id text CHECK (char_length(current_invocation_id) BETWEEN 1 AND 128),
+    output_ref text CHECK (char_length(output_ref) <= 256),
+    result_code text CHECK (char_length(result_code) BETWEEN 1 AND 128),
     created_at timestamptz NOT NULL DEFAULT now(),
     updated_at timestamptz NOT NULL DEFAULT now(),
     CHECK (
@@ -65,7 +67,7 @@ CREATE TABLE ql3.run_events (
     event_id text NOT NULL UNIQUE,
     event_type text NOT NULL,
     step_run_id uuid,
-    payload jsonb NOT NULL,
+    payload jsonb NOT NULL CHECK (pg_column_size(payload) <= 196608),
     created_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (run_id, seq)
 );

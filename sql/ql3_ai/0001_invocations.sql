@@ -27,16 +27,18 @@
 -- not format checks: each CHECK and FK costs every insert (measured: a first version with
 -- format CHECKs and an FK on every id spent about a quarter of an admit+complete pair there).
 
+-- Identifier lengths and record sizes are bounded by CHECKs too, as defence in depth
+-- behind the functions' checks (D46): a length comparison per column, no format check.
 CREATE TABLE ql3_ai.model_invocation_starts (
-    invocation_id text PRIMARY KEY,
-    request_id text NOT NULL,
-    project_id text NOT NULL,
+    invocation_id text PRIMARY KEY CHECK (char_length(invocation_id) BETWEEN 1 AND 128),
+    request_id text NOT NULL CHECK (char_length(request_id) BETWEEN 1 AND 128),
+    project_id text NOT NULL CHECK (char_length(project_id) BETWEEN 1 AND 128),
     run_id uuid NOT NULL,
     step_run_id uuid NOT NULL REFERENCES ql3.step_runs (step_run_id),
-    trace_id text NOT NULL,
+    trace_id text NOT NULL CHECK (char_length(trace_id) BETWEEN 1 AND 128),
     attempt integer NOT NULL,
-    provider text NOT NULL,
-    model text NOT NULL,
+    provider text NOT NULL CHECK (char_length(provider) BETWEEN 1 AND 128),
+    model text NOT NULL CHECK (char_length(model) BETWEEN 1 AND 128),
     policy_contract_family text,
     policy_contract_id text,
     policy_revision_id uuid,
@@ -44,7 +46,7 @@ CREATE TABLE ql3_ai.model_invocation_starts (
     deadline_at timestamptz NOT NULL,
     input_bytes bigint NOT NULL,
     command_digest text NOT NULL,
-    record jsonb NOT NULL,
+    record jsonb NOT NULL CHECK (pg_column_size(record) <= 196608),
     start_digest text NOT NULL,
     mutation_id text NOT NULL,
     event_id text NOT NULL,
@@ -70,7 +72,7 @@ CREATE TABLE ql3_ai.model_invocation_completions (
     run_id uuid NOT NULL,
     step_run_id uuid NOT NULL,
     outcome text NOT NULL,
-    result_code text NOT NULL,
+    result_code text NOT NULL CHECK (char_length(result_code) BETWEEN 1 AND 128),
     output_bytes bigint,
     output_digest text,
     input_tokens bigint,
@@ -79,7 +81,7 @@ CREATE TABLE ql3_ai.model_invocation_completions (
     currency text,
     recovered boolean NOT NULL,
     command_digest text NOT NULL,
-    record jsonb NOT NULL,
+    record jsonb NOT NULL CHECK (pg_column_size(record) <= 196608),
     completion_digest text NOT NULL,
     mutation_id text NOT NULL,
     event_id text NOT NULL,
@@ -112,12 +114,12 @@ CREATE TABLE ql3_ai.model_invocation_resolutions (
     run_id uuid NOT NULL,
     step_run_id uuid NOT NULL,
     decision text NOT NULL CHECK (decision IN ('retry', 'fail', 'cancel')),
-    user_id text NOT NULL,
+    user_id text NOT NULL CHECK (char_length(user_id) BETWEEN 1 AND 128),
     -- The login that resolved (session_user), beside the user it resolved as (D47).
     resolved_by name NOT NULL,
     reason text,
     command_digest text NOT NULL,
-    record jsonb NOT NULL,
+    record jsonb NOT NULL CHECK (pg_column_size(record) <= 196608),
     resolution_digest text NOT NULL,
     mutation_id text NOT NULL,
     event_id text NOT NULL,
@@ -624,6 +626,14 @@ BEGIN
     END IF;
 
     PERFORM ql3._require_project(command ->> 'project_id');
+    -- With isolation on, another project's run is as absent as a missing one before anything
+    -- of it is locked or compared, so that no answer tells its steps' state (D47).
+    IF EXISTS (SELECT 1 FROM ql3.project_grants)
+       AND NOT EXISTS (SELECT 1 FROM ql3.runs AS r
+                       WHERE r.run_id = admit_invocation.run_id AND ql3._may_act(r.project_id)) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
+    END IF;
     -- The step lock comes first: it orders this admission against every other
     -- transition of the step, including a concurrent admission of the same command.
     SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = admit_invocation.step_run_id FOR UPDATE;

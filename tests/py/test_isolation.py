@@ -98,6 +98,10 @@ def test_a_runtime_login_acts_on_its_project_only(two_projects: dict[str, str]) 
             a.create_run("b", "trace-1")
         with pytest.raises(errors.PermissionDenied):
             b.admit_invocation(admission(run_a, step_a, project="a"))
+        # Under its own project, a's run is as absent as a missing one: nothing about its
+        # step (state, version, kind, the admitted command) comes back.
+        with pytest.raises(errors.NotFound, match="does not exist"):
+            b.admit_invocation(admission(run_a, step_a, project="b", version=2))
         # A's invocation is as absent to b as one never admitted: no completion, no probe.
         with pytest.raises(errors.NotFound, match="never admitted"):
             b.complete_invocation(completion(admitted, Outcome.SUCCEEDED))

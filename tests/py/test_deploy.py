@@ -5,21 +5,30 @@ and the services are wired as the relay and the recovery daemon need."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import contextlib
+import hashlib
+import hmac
 import importlib
 import io
 import itertools
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import yaml
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ql3 import recovery, relay
+from ql3 import cli, recovery, relay
+from ql3.store import PgStore
 
 ROOT = Path(__file__).resolve().parents[2]
 QL3_IMAGE = "ql3:local"
@@ -149,6 +158,230 @@ def test_compose_runs_the_recovery_loop_after_migrate(compose: dict[str, Any]) -
     assert recovery["command"][:2] == ["recover", "--loop"]
     assert recovery["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert_ql3_command([str(c) for c in recovery["command"]], "docker-compose.yml recovery")
+
+
+# -- the daemons' logins in compose ------------------------------------------------------
+
+LOGINS_SQL = ROOT / "deploy" / "compose" / "logins.sql"
+# Each daemon's service and the one group role its login must be a member of.
+DAEMON_GROUPS = {"relay": "ql3_relay", "recovery": "ql3_operator"}
+COMPOSE_VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?::-(?P<default>[^}]*))?\}")
+
+
+def interpolate(value: str, environ: Mapping[str, str] | None = None) -> str:
+    """compose's ``${NAME:-default}``: NAME's value when set and not empty, else default."""
+    env = environ or {}
+    return COMPOSE_VARIABLE.sub(lambda m: env.get(m["name"]) or m["default"] or "", str(value))
+
+
+def service_environment(compose: dict[str, Any], name: str) -> dict[str, str]:
+    env = compose["services"][name]["environment"]
+    return {key: interpolate(value) for key, value in env.items()}
+
+
+def daemon_login(compose: dict[str, Any], service: str) -> tuple[str, str]:
+    """(user, password) of a daemon's QL3_DSN, with compose's defaults."""
+    params = conninfo_to_dict(service_environment(compose, service)["QL3_DSN"])
+    return str(params["user"]), str(params.get("password", ""))
+
+
+def test_the_daemons_log_in_as_their_own_logins_made_after_migrate(
+    compose: dict[str, Any],
+) -> None:
+    logins = compose["services"]["logins"]
+    assert logins["image"] == "postgres:15" and logins["restart"] == "no"
+    assert logins["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    command = [str(arg) for arg in logins["command"]]
+    assert command[0] == "psql" and "ON_ERROR_STOP=1" in command
+    mounts = dict(reversed(volume.split(":")[:2]) for volume in logins["volumes"])
+    assert (ROOT / mounts[command[command.index("-f") + 1]]).resolve() == LOGINS_SQL
+    passwords = service_environment(compose, "logins")
+    for service in DAEMON_GROUPS:
+        svc = compose["services"][service]
+        assert svc["depends_on"]["logins"]["condition"] == "service_completed_successfully"
+        user, password = daemon_login(compose, service)
+        assert user != "postgres" and password in passwords.values(), service
+        assert password not in " ".join(command), "a password on psql's command line"
+    relay_user, recovery_user = (daemon_login(compose, s)[0] for s in DAEMON_GROUPS)
+    assert relay_user != recovery_user
+
+
+def run_logins_sql(
+    compose: dict[str, Any], dsn: str, **overrides: str | None
+) -> subprocess.CompletedProcess[str]:
+    """deploy/compose/logins.sql run as the logins service runs it (its command, its
+    environment with compose's defaults), against ``dsn`` instead of the postgres
+    service; ``overrides`` change (or, with None, remove) its variables."""
+    psql = shutil.which("psql")
+    if psql is None:
+        pytest.skip("psql is not installed")
+    command = [str(arg) for arg in compose["services"]["logins"]["command"]]
+    command[command.index("-f") + 1] = str(LOGINS_SQL)
+    target = conninfo_to_dict(dsn)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "QL3_"))}
+    env.update(service_environment(compose, "logins"))
+    env.update(
+        PGHOST=str(target.get("host", "")),
+        PGPORT=str(target.get("port", "5432")),
+        PGUSER=str(target.get("user", "")),
+        PGDATABASE=str(target["dbname"]),
+        PGPASSWORD=str(target.get("password", "")),
+    )
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return subprocess.run(
+        [psql, *command[1:]], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def password_matches(stored: str, user: str, password: str) -> bool:
+    """Whether ``stored`` (pg_authid.rolpassword, SCRAM or md5) is ``password``'s."""
+    if stored.startswith("SCRAM-SHA-256$"):
+        head, keys = stored.removeprefix("SCRAM-SHA-256$").split("$")
+        iterations, salt = head.split(":")
+        salted = hashlib.pbkdf2_hmac(
+            "sha256", password.encode(), base64.b64decode(salt), int(iterations)
+        )
+        client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+        return base64.b64encode(hashlib.sha256(client_key).digest()).decode() == keys.split(":")[0]
+    return stored == "md5" + hashlib.md5((password + user).encode()).hexdigest()
+
+
+def fetch(dsn: str, query: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+@pytest.fixture
+def compose_logins(compose: dict[str, Any], base_dsn: str) -> Iterator[list[str]]:
+    """The daemons' login names; the roles are dropped afterwards (they are cluster-wide)."""
+    users = [daemon_login(compose, service)[0] for service in DAEMON_GROUPS]
+    yield users
+    with psycopg.connect(base_dsn, autocommit=True) as conn:
+        for user in users:
+            conn.execute(f'DROP ROLE IF EXISTS "{user}"')
+
+
+def test_the_logins_sql_gives_each_daemon_exactly_its_role_twice_over(
+    compose: dict[str, Any], db_dsn: str, compose_logins: list[str]
+) -> None:
+    first = run_logins_sql(compose, db_dsn)
+    assert first.returncode == 0, first.stderr
+    relay_user = daemon_login(compose, "relay")[0]
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # by hand, between two runs
+        conn.execute(f'GRANT ql3_reader TO "{relay_user}"')
+    again = run_logins_sql(compose, db_dsn)
+    assert again.returncode == 0, again.stderr
+
+    for service, group in DAEMON_GROUPS.items():
+        user, password = daemon_login(compose, service)
+        ((superuser, login, inherit, create_role, create_db, replication, bypass, stored),) = fetch(
+            db_dsn,
+            "SELECT rolsuper, rolcanlogin, rolinherit, rolcreaterole, rolcreatedb,"
+            " rolreplication, rolbypassrls, rolpassword FROM pg_authid WHERE rolname = %s",
+            [user],
+        )
+        assert login and inherit and password_matches(stored, user, password), service
+        assert not (superuser or create_role or create_db or replication or bypass), service
+        groups = fetch(
+            db_dsn,
+            "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid"
+            " JOIN pg_roles u ON u.oid = m.member WHERE u.rolname = %s",
+            [user],
+        )
+        assert groups == [(group,)], service
+
+    # A changed password takes effect at the next run.
+    assert run_logins_sql(compose, db_dsn, QL3_RELAY_DB_PASSWORD="changed-pw").returncode == 0
+    ((stored,),) = fetch(
+        db_dsn, "SELECT rolpassword FROM pg_authid WHERE rolname = %s", [relay_user]
+    )
+    assert password_matches(stored, relay_user, "changed-pw")
+
+
+def as_login(dsn: str, compose: dict[str, Any], service: str) -> str:
+    user, password = daemon_login(compose, service)
+    return make_conninfo(dsn, user=user, password=password)
+
+
+def test_the_daemons_logins_can_do_their_jobs_and_no_more(
+    compose: dict[str, Any],
+    db_dsn: str,
+    compose_logins: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    done = run_logins_sql(compose, db_dsn)
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(as_login(db_dsn, compose, "relay")) as conn:
+        assert conn.execute("SELECT count(*) FROM ql3.claim_outbox(10)").fetchone() == (0,)
+        conn.rollback()
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT ql3_ai.recover_expired(10, interval '30 seconds')")
+    with psycopg.connect(as_login(db_dsn, compose, "recovery")) as conn:
+        (result,) = conn.execute(
+            "SELECT ql3_ai.recover_expired(10, interval '30 seconds')"
+        ).fetchone() or (None,)
+        assert result["count"] == 0
+    for service in DAEMON_GROUPS:
+        assert cli.main(["ready", "--with-ai", "--dsn", as_login(db_dsn, compose, service)]) == 0
+        assert capsys.readouterr().out == "ready\n"
+
+
+def test_the_relay_and_recovery_run_as_their_compose_logins(
+    compose: dict[str, Any],
+    db_dsn: str,
+    redis_url: str,
+    compose_logins: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_logins_sql(compose, db_dsn).returncode == 0
+    with PgStore(db_dsn, max_connections=1) as store:
+        revision = store.put_revision("p", "policy_routing", "c", {"k": 1}, "deploy-test")
+        event = store.activate_revision("p", "policy_routing", "c", revision["revision_id"], "t")
+    assert event is not None
+
+    async def deliver() -> int:
+        config = relay.RelayConfig(
+            dsn=as_login(db_dsn, compose, "relay"), redis_url=redis_url, heartbeat_interval=0.1
+        )
+        daemon = relay.Relay(config)
+        await daemon.start()
+        try:
+            await daemon.wait_ready()
+            for _ in range(100):
+                if daemon.delivered_seq >= event["seq"]:
+                    break
+                await asyncio.sleep(0.05)
+            return daemon.delivered_seq
+        finally:
+            await daemon.stop()
+
+    assert asyncio.run(deliver()) >= event["seq"]
+    assert cli.main(["recover", "--dsn", as_login(db_dsn, compose, "recovery")]) == 0
+    assert '"count": 0' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"QL3_RELAY_DB_PASSWORD": None}, "QL3_RELAY_DB_PASSWORD is not set"),
+        ({"QL3_RECOVERY_DB_PASSWORD": None}, "QL3_RECOVERY_DB_PASSWORD is not set"),
+        ({"QL3_RELAY_DB_PASSWORD": ""}, "must not be empty"),
+    ],
+)
+def test_the_logins_sql_refuses_a_missing_password(
+    compose: dict[str, Any],
+    db_dsn: str,
+    compose_logins: list[str],
+    overrides: dict[str, str | None],
+    message: str,
+) -> None:
+    done = run_logins_sql(compose, db_dsn, **overrides)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert fetch(db_dsn, "SELECT 1 FROM pg_roles WHERE rolname = ANY(%s)", [compose_logins]) == []
 
 
 # -- the systemd units -------------------------------------------------------------------

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ql3 import canonical, errors
 from ql3.db import dsn_from_env
+from ql3.safe_text import command_secrets, error_text, json_text
 from ql3.store import PgStore
 
 # Modules that contribute subcommands; a module missing from this install is skipped.
@@ -23,7 +23,19 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False))
+    """The JSON of a command's result; C1 controls and U+2028/U+2029 in its texts (a
+    project_id or a model name may hold any character) are escaped as JSON escapes."""
+    print(json_text(value, indent=2, sort_keys=True, default=str))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors redact connection passwords and escape
+    control characters: argparse quotes the argument it could not place, which may be a
+    ``--dsn`` value given before the subcommand, or text holding ESC. Subcommands get
+    this class too (``add_subparsers`` makes parsers of the parent's type)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(error_text(message))
 
 
 def _actor(args: argparse.Namespace) -> str:
@@ -140,7 +152,7 @@ def register_revision(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = ArgumentParser(
         prog="ql3", description="Durable contract revisions and model invocations on PostgreSQL."
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -175,22 +187,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except errors.Misconfigured as exc:
-        report(exc)
+        report(exc, command_secrets(args))
         return 2
     except errors.Ql3Error as exc:
-        report(exc)
+        report(exc, command_secrets(args))
         return 1
     except KeyboardInterrupt:
         return 130
 
 
-def report(exc: errors.Ql3Error) -> None:
+def report(exc: errors.Ql3Error, secrets: Iterable[str] = ()) -> None:
     """``error: QL3_CODE: message`` on one line (libpq's messages span several), and the
-    detail, if any, on the next."""
+    detail, if any, on the next; passwords redacted (``secrets`` too), controls escaped."""
     text = exc.message if exc.message.startswith(exc.code) else f"{exc.code}: {exc.message}"
-    print(f"error: {' '.join(text.split())}", file=sys.stderr)
+    print(f"error: {error_text(text, secrets)}", file=sys.stderr)
     if exc.detail:
-        print(f"detail: {' '.join(exc.detail.split())}", file=sys.stderr)
+        print(f"detail: {error_text(exc.detail, secrets)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

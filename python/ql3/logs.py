@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sys
@@ -10,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ql3 import errors
+from ql3.safe_text import json_text, redact
 
 
 def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
@@ -19,7 +19,11 @@ def backoff_delay(failures: int, *, initial: float, cap: float) -> float:
 
 
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, event, then the record's ``ql3`` fields."""
+    """One JSON object per line: ts, level, logger, event, then the record's ``ql3`` fields.
+
+    Every text in it has its connection passwords redacted (an error may quote a DSN or a
+    Redis URL) and the line has no raw control character (a field may hold a project_id
+    with ESC in it): ``ql3.safe_text``."""
 
     def format(self, record: logging.LogRecord) -> str:
         moment = datetime.fromtimestamp(record.created, UTC)
@@ -34,7 +38,19 @@ class JsonLogFormatter(logging.Formatter):
             doc.update(fields)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str, ensure_ascii=False)
+        return json_text(redacted(doc))
+
+
+def redacted(value: Any) -> Any:
+    """A log field with the passwords in its texts redacted; what JSON cannot hold as it is
+    becomes its text first, redacted too."""
+    if isinstance(value, dict):
+        return {str(key): redacted(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [redacted(item) for item in value]
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return redact(str(value))
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -56,6 +72,8 @@ def configure_logging(level: str = "info") -> None:
 
 
 def describe_error(exc: BaseException) -> str:
-    """``Type: first line of the message`` (or just the type), for logs and last_error."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    """``Type: first line of the message`` (or just the type), for logs and last_error
+    (served by /healthz), with any connection password in it redacted."""
+    message = redact(str(exc)).strip()
+    text = message.splitlines()[0] if message else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -16,6 +16,10 @@ Why the runner is built this way:
   migrators started together (replicas booting at once) apply each version exactly once,
   and a runner that forgot the lock still collides on the ledger's primary key. A failing
   file rolls back whole, ledger row included.
+- **The wait for that lock is bounded** (``lock_timeout``, 60 s by default): any login
+  may take an advisory lock, so a forgotten ``psql`` session holding it would otherwise
+  hang a deploy in silence. When the time is up the error names the lock and the session
+  holding it (pid, user, application), from ``pg_locks``.
 - **Files run as ``ql3_owner``** (``SET LOCAL ROLE``) with the stream's schema first on the
   search path: every object is owned by the owner role whatever login ran the migration,
   and unqualified names land in the stream's schema, never in ``public``.
@@ -44,8 +48,9 @@ from typing import Any, TypeAlias, TypeVar
 import psycopg
 from psycopg import sql
 
+from ql3.arguments import check_seconds
 from ql3.db import parse_conninfo
-from ql3.errors import MigrationError, Ql3Error, Unavailable
+from ql3.errors import InvalidArgument, MigrationError, Ql3Error, Unavailable
 from ql3.migration_files import (
     AI,
     AI_STREAM,
@@ -77,12 +82,17 @@ from ql3.migration_files import (
     split_name,
     table_ddl,
 )
+from ql3.safe_text import command_secrets, error_text, escape_controls
 
 Connection: TypeAlias = "psycopg.Connection[tuple[Any, ...]]"
 
 
 #: The advisory lock every ql3 migration transaction holds: the ASCII bytes of "ql3_migr".
 MIGRATION_LOCK_KEY = int.from_bytes(b"ql3_migr", "big")
+#: How long one migration transaction waits for that lock by default (``--lock-timeout``,
+#: ``QL3_MIGRATE_LOCK_TIMEOUT``), and at most (a day: longer is a typo, not a plan).
+DEFAULT_LOCK_TIMEOUT_SECONDS = 60.0
+MAX_LOCK_TIMEOUT_SECONDS = 86400.0
 
 OWNER_ROLE = "ql3_owner"
 GROUP_ROLES = ("ql3_owner", "ql3_runtime", "ql3_relay", "ql3_operator", "ql3_reader")
@@ -157,25 +167,35 @@ def migrate(
     with_ai: bool = False,
     targets: Mapping[str, int] | None = None,
     sql_root: Path | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
 ) -> list[Applied]:
     """Apply pending migrations, core first, then ql3_ai when ``with_ai``.
 
     ``targets`` caps streams by version (``{"core": 3}``); a stream it does not name goes
-    to its newest file. Naming ``ql3_ai`` there requires ``with_ai=True``. Returns what this
-    call applied, in order: an empty list when the database was up to date.
+    to its newest file. Naming ``ql3_ai`` there requires ``with_ai=True``. Each wait for
+    the migration lock lasts at most ``lock_timeout`` seconds (``Unavailable`` naming the
+    holder after that). Returns what this call applied, in order: an empty list when the
+    database was up to date.
     """
+    check_lock_timeout(lock_timeout)
     streams = [CORE, AI] if with_ai else [CORE]
     migrations = load_migrations(sql_root or default_sql_root(), streams)
     limits = resolve_targets(migrations, targets or {})
     applied: list[Applied] = []
     with connect(conninfo) as conn:
         create_group_roles(conn)
-        prepare_streams(conn, migrations, limits)
+        prepare_streams(conn, migrations, limits, lock_timeout=lock_timeout)
         for stream in streams:
             for migration in migrations[stream][: limits[stream]]:
-                if apply_migration(conn, migration, migrations[stream]):
+                if apply_migration(conn, migration, migrations[stream], lock_timeout=lock_timeout):
                     applied.append(Applied(stream, migration.version, migration.name))
     return applied
+
+
+def check_lock_timeout(seconds: object) -> float:
+    """A lock timeout: seconds above 0 and at most ``MAX_LOCK_TIMEOUT_SECONDS`` (0 would
+    be PostgreSQL's "no limit", the silent hang this bound is for)."""
+    return check_seconds("lock_timeout", seconds, most=MAX_LOCK_TIMEOUT_SECONDS)
 
 
 def resolve_targets(
@@ -221,18 +241,77 @@ def create_group_roles(conn: Connection) -> None:
     conn.execute(CREATE_GROUP_ROLES_SQL)
 
 
-def take_migration_lock(conn: Connection) -> None:
-    conn.execute("SELECT pg_advisory_xact_lock(%s)", [MIGRATION_LOCK_KEY])
+def take_migration_lock(conn: Connection, *, timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS) -> None:
+    """Take the migration lock for the transaction, waiting at most ``timeout`` seconds.
+
+    Any login may hold this advisory lock (the pg_advisory_lock functions are PUBLIC's),
+    so the wait is bounded: ``Unavailable`` naming the lock and its holder when the time
+    is up. The wait runs in a savepoint, so the transaction can still read ``pg_locks``
+    after it; ``lock_timeout`` is the session's own again for the files that follow.
+    """
+    row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+    previous = "0" if row is None else str(row[0])
+    set_lock_timeout(conn, f"{max(1, round(timeout * 1000))}ms")
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [MIGRATION_LOCK_KEY])
+    except psycopg.errors.LockNotAvailable:
+        raise Unavailable(lock_timeout_message(conn, timeout)) from None
+    set_lock_timeout(conn, previous)
+
+
+def set_lock_timeout(conn: Connection, value: str) -> None:
+    conn.execute("SELECT set_config('lock_timeout', %s, true)", [value])
+
+
+def migration_lock_holders(conn: Connection) -> list[tuple[int, str | None, str | None]]:
+    """(pid, user, application) of each session holding the migration lock in this
+    database (a bigint advisory key is classid = high 32 bits, objid = low, objsubid 1)."""
+    rows = conn.execute(
+        """
+        SELECT l.pid, a.usename::text, a.application_name
+          FROM pg_catalog.pg_locks AS l
+          LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+           AND l.classid = %s::oid AND l.objid = %s::oid
+           AND l.database = (SELECT oid FROM pg_catalog.pg_database
+                              WHERE datname = pg_catalog.current_database())
+         ORDER BY l.pid
+        """,
+        [MIGRATION_LOCK_KEY >> 32, MIGRATION_LOCK_KEY & 0xFFFFFFFF],
+    ).fetchall()
+    return [(int(pid), user, application) for pid, user, application in rows]
+
+
+def lock_timeout_message(conn: Connection, timeout: float) -> str:
+    """What a migrator that waited ``timeout`` seconds for the lock says: the lock, then
+    who holds it (or that it was released meanwhile), then what to do."""
+    holders = [
+        f"pid {pid} (user {user or '?'}, application {application or '?'})"
+        for pid, user, application in migration_lock_holders(conn)
+    ]
+    held = f"held by {', '.join(holders)}" if holders else "held by a session that has let go since"
+    return (
+        f"waited {timeout:g} s for the migration lock, advisory lock {MIGRATION_LOCK_KEY} "
+        f"(pg_locks: classid {MIGRATION_LOCK_KEY >> 32}, objid "
+        f"{MIGRATION_LOCK_KEY & 0xFFFFFFFF}, objsubid 1), {held}: another migration may be "
+        f"running; wait for it or end that session, then migrate again (or give "
+        f"--lock-timeout more seconds)"
+    )
 
 
 def prepare_streams(
-    conn: Connection, migrations: Mapping[str, Sequence[Migration]], limits: Mapping[str, int]
+    conn: Connection,
+    migrations: Mapping[str, Sequence[Migration]],
+    limits: Mapping[str, int],
+    *,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
 ) -> None:
     """Under the lock: refuse a ledger that disagrees with the files, an impossible
     ``requires`` or a pending file with transaction control, then create the schemas and
     ledgers that do not exist yet."""
     with conn.transaction():
-        take_migration_lock(conn)
+        take_migration_lock(conn, timeout=lock_timeout)
         ledgers = {name: read_ledger(conn, STREAMS[name]) for name in migrations}
         refuse_ledger_problems(
             [
@@ -266,12 +345,16 @@ def refuse_unmet_requirement(migration: Migration, core_version: int) -> None:
 
 
 def apply_migration(
-    conn: Connection, migration: Migration, stream_files: Sequence[Migration]
+    conn: Connection,
+    migration: Migration,
+    stream_files: Sequence[Migration],
+    *,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
 ) -> bool:
     """Apply one file in its own transaction; False when another migrator already did."""
     stream = STREAMS[migration.stream]
     with conn.transaction():
-        take_migration_lock(conn)
+        take_migration_lock(conn, timeout=lock_timeout)
         ledger = read_ledger(conn, stream) or {}
         refuse_ledger_problems(ledger_problems(stream, ledger, stream_files))
         if migration.version in ledger:
@@ -549,6 +632,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="STREAM=N",
         help="stop STREAM (core or ql3_ai) at version N; naming ql3_ai implies --with-ai",
     )
+    migrate_parser.add_argument(
+        "--lock-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="give up after waiting this long for the migration lock that another session "
+        f"holds (env {LOCK_TIMEOUT_VARIABLE}; default {DEFAULT_LOCK_TIMEOUT_SECONDS:g})",
+    )
     migrate_parser.set_defaults(func=run_migrate_command)
 
     ready_parser = subparsers.add_parser(
@@ -577,6 +667,29 @@ def parse_target(value: str) -> tuple[str, int]:
     return stream, int(version)
 
 
+LOCK_TIMEOUT_VARIABLE = "QL3_MIGRATE_LOCK_TIMEOUT"
+
+
+def lock_timeout_from(args: argparse.Namespace, environ: Mapping[str, str]) -> float:
+    """--lock-timeout, else QL3_MIGRATE_LOCK_TIMEOUT, else the default; InvalidArgument
+    naming the flag or variable when it is not a number of seconds in range."""
+    source, value = "--lock-timeout", getattr(args, "lock_timeout", None)
+    if value is None:
+        source, text = LOCK_TIMEOUT_VARIABLE, environ.get(LOCK_TIMEOUT_VARIABLE)
+        if not text:
+            return DEFAULT_LOCK_TIMEOUT_SECONDS
+        try:
+            value = float(text)
+        except ValueError:
+            raise InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: {source}={text!r} is not a number of seconds"
+            ) from None
+    try:
+        return check_lock_timeout(value)
+    except InvalidArgument as exc:
+        raise InvalidArgument(exc.message.replace("lock_timeout", source, 1)) from None
+
+
 def dsn_from(args: argparse.Namespace, command: str) -> str | None:
     """The DSN to use; None (after saying why) when there is none or it is malformed."""
     dsn: str | None = args.dsn or os.environ.get("QL3_DSN")
@@ -586,7 +699,7 @@ def dsn_from(args: argparse.Namespace, command: str) -> str | None:
             file=sys.stderr,
         )
         return None
-    if _reporting_errors(command, lambda: parse_conninfo(dsn)) is None:
+    if _reporting_errors(command, lambda: parse_conninfo(dsn), args) is None:
         return None
     return dsn
 
@@ -595,9 +708,16 @@ def run_migrate_command(args: argparse.Namespace) -> int:
     dsn = dsn_from(args, "migrate")
     if dsn is None:
         return 2
+    lock_timeout = _reporting_errors("migrate", lambda: lock_timeout_from(args, os.environ), args)
+    if lock_timeout is None:
+        return 2
     targets = dict(args.target)
     with_ai = bool(args.with_ai) or AI in targets
-    outcome = _reporting_errors("migrate", lambda: migrate(dsn, with_ai=with_ai, targets=targets))
+    outcome = _reporting_errors(
+        "migrate",
+        lambda: migrate(dsn, with_ai=with_ai, targets=targets, lock_timeout=lock_timeout),
+        args,
+    )
     if outcome is None:
         return 1
     for applied in outcome:
@@ -611,21 +731,26 @@ def run_ready_command(args: argparse.Namespace) -> int:
     dsn = dsn_from(args, "ready")
     if dsn is None:
         return 2
-    report = _reporting_errors("ready", lambda: ready(dsn, with_ai=bool(args.with_ai)))
+    report = _reporting_errors("ready", lambda: ready(dsn, with_ai=bool(args.with_ai)), args)
     if report is None:
         return 1
-    print(report.describe())
+    # Table names come from the database: a stray table's name may hold ESC.
+    print("\n".join(escape_controls(line) for line in report.describe().splitlines()))
     return 0 if report.ok else 1
 
 
 _Result = TypeVar("_Result")
 
 
-def _reporting_errors(command: str, action: Callable[[], _Result]) -> _Result | None:
+def _reporting_errors(
+    command: str, action: Callable[[], _Result], args: argparse.Namespace
+) -> _Result | None:
+    """The action's result, or None after one ``error: ql3 COMMAND: QL3_...`` line (the
+    command's passwords redacted, control characters escaped: ``ql3.safe_text``)."""
     try:
         return action()
     except Ql3Error as exc:
-        message = " ".join(exc.message.removeprefix(f"{exc.code}: ").split())  # one line
+        message = error_text(exc.message.removeprefix(f"{exc.code}: "), command_secrets(args))
         print(f"error: ql3 {command}: {exc.code}: {message}", file=sys.stderr)
         return None
 
@@ -636,7 +761,10 @@ __all__ = [
     "CORE",
     "CORE_STREAM",
     "CREATE_GROUP_ROLES_SQL",
+    "DEFAULT_LOCK_TIMEOUT_SECONDS",
     "GROUP_ROLES",
+    "LOCK_TIMEOUT_VARIABLE",
+    "MAX_LOCK_TIMEOUT_SECONDS",
     "MIGRATION_FILE_NAME",
     "MIGRATION_LOCK_KEY",
     "OWNED_TABLES",
@@ -653,6 +781,7 @@ __all__ = [
     "add_dsn_argument",
     "applied_version",
     "apply_migration",
+    "check_lock_timeout",
     "connect",
     "create_group_roles",
     "current_transaction_id",
@@ -666,9 +795,12 @@ __all__ = [
     "ledger_problems",
     "load_migrations",
     "load_stream",
+    "lock_timeout_from",
+    "lock_timeout_message",
     "migrate",
     "migration_failure_message",
     "migration_file_name",
+    "migration_lock_holders",
     "parse_target",
     "prepare_streams",
     "read_ledger",
@@ -687,6 +819,7 @@ __all__ = [
     "run_as_owner",
     "run_migrate_command",
     "run_ready_command",
+    "set_lock_timeout",
     "split_name",
     "status",
     "still_in_runner_transaction",

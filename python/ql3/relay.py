@@ -44,7 +44,6 @@ from datetime import UTC, datetime
 from json.encoder import encode_basestring_ascii
 from operator import itemgetter
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 import redis.asyncio as aioredis
@@ -66,6 +65,7 @@ from ql3.channels import rfc3339 as rfc3339
 from ql3.db import parse_conninfo, tcp_settings, with_options
 from ql3.http_status import StatusServer, serve_status
 from ql3.logs import backoff_delay, configure_logging, describe_error
+from ql3.safe_text import redact_url as redact_url  # re-exported: it was defined here
 
 NOTIFY_CHANNEL = "ql3_contract_outbox"
 DEFAULT_METRICS_PORT = 9464
@@ -153,30 +153,6 @@ def publish_args(channel_prefix: str, rows: Sequence[ClaimedRow]) -> list[str]:
     for project_id, run in itertools.groupby(rows, key=itemgetter(3)):
         args += (project_channel(channel_prefix, project_id), str(sum(1 for _ in run)))
     return args
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, for logs: the one in the userinfo and those in
-    the query string (``?password=...``, ``?ssl_password=...``, which redis-py accepts).
-    The rest stays as written (``[IPv6]`` brackets, ``unix:///path``)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    redacted = url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    if ":" in userinfo:
-        user = userinfo.partition(":")[0]
-        redacted = redacted.replace(f"//{parts.netloc}", f"//{user}:***@{hostport}", 1)
-    if parts.query:
-        fields = []
-        for field in parts.query.split("&"):
-            name, eq, _ = field.partition("=")
-            if eq and unquote(name).lower().endswith("password"):
-                field = f"{name}=***"
-            fields.append(field)
-        redacted = redacted.replace(f"?{parts.query}", "?" + "&".join(fields), 1)
-    return redacted
 
 
 def make_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:

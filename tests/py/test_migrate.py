@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import threading
+import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,15 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from fix_servers import LOGIN_ROLES, role_dsn
+from ql3 import cli
 from ql3 import migrate as migrate_module
-from ql3.errors import InvalidArgument, MigrationError
+from ql3.errors import InvalidArgument, MigrationError, Unavailable
 from ql3.migrate import (
     AI_STREAM,
     CORE_STREAM,
     GROUP_ROLES,
+    MIGRATION_LOCK_KEY,
     OWNED_TABLES,
     Applied,
     expected_tables,
@@ -172,7 +176,9 @@ def test_group_roles_exist_as_nologin_after_migrate(dsn: str, root: Path) -> Non
     assert roles == [(role, False) for role in sorted(GROUP_ROLES)]
 
 
-def test_ledgers_are_readable_by_ql3_reader_only(dsn: str, root: Path) -> None:
+def test_ledgers_are_readable_by_every_group_role_and_writable_by_none(
+    dsn: str, root: Path
+) -> None:
     migrate(dsn, with_ai=True, sql_root=root)
 
     grants = fetch(
@@ -180,10 +186,11 @@ def test_ledgers_are_readable_by_ql3_reader_only(dsn: str, root: Path) -> None:
         """
         SELECT table_schema, grantee, privilege_type FROM information_schema.table_privileges
          WHERE table_name IN ('schema_history', 'feature_history') AND grantee <> 'ql3_owner'
-         ORDER BY table_schema
+         ORDER BY table_schema, grantee
         """,
     )
-    assert grants == [("ql3", "ql3_reader", "SELECT"), ("ql3_ai", "ql3_reader", "SELECT")]
+    readers = sorted(f"ql3_{role}" for role in LOGIN_ROLES)
+    assert grants == [(schema, role, "SELECT") for schema in ("ql3", "ql3_ai") for role in readers]
 
 
 def test_schemas_are_usable_by_every_group_role(dsn: str, root: Path) -> None:
@@ -494,6 +501,116 @@ def test_concurrent_migrators_apply_each_version_exactly_once(dsn: str, root: Pa
     assert versions(dsn, "ql3_ai") == [1, 2]
 
 
+# --------------------------------------------------------------------------- the lock
+
+
+@pytest.fixture
+def lock_holder(base_dsn: str, migrated_template: str, dsn: str) -> Iterator[psycopg.Connection]:
+    """A session of an ordinary login (ql3_test_reader: any login may take an advisory
+    lock) holding the migration lock of ``dsn`` until the test ends."""
+    conn = psycopg.connect(
+        role_dsn(dsn, "reader"), autocommit=True, application_name="forgotten-psql"
+    )
+    with conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", [MIGRATION_LOCK_KEY])
+        yield conn
+
+
+def test_migrate_gives_up_on_a_held_lock_naming_the_lock_and_its_holder(
+    dsn: str,
+    cli_root: Path,
+    lock_holder: psycopg.Connection,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    started = time.monotonic()
+    assert run_cli("migrate", "--dsn", dsn, "--lock-timeout", "0.5") == 1
+    waited = time.monotonic() - started
+
+    assert 0.5 <= waited < 5.0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ql3 migrate: QL3_UNAVAILABLE: "), err
+    assert f"advisory lock {MIGRATION_LOCK_KEY}" in err, err
+    holder = (
+        f"pid {lock_holder.info.backend_pid} (user ql3_test_reader, application forgotten-psql)"
+    )
+    assert holder in err, err
+    assert not schema_exists(dsn, "ql3")  # nothing ran
+
+
+def test_the_lock_timeout_comes_from_the_environment_and_bounds_every_wait(
+    dsn: str,
+    root: Path,
+    cli_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    migrate(dsn, sql_root=root, targets={"core": 1})
+    with psycopg.connect(dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", [MIGRATION_LOCK_KEY])
+        monkeypatch.setenv("QL3_MIGRATE_LOCK_TIMEOUT", "0.3")
+        started = time.monotonic()
+        assert run_cli("migrate", "--dsn", dsn) == 1
+        assert time.monotonic() - started < 5.0
+        assert f"pid {holder.info.backend_pid} (user postgres" in capsys.readouterr().err
+        with pytest.raises(Unavailable, match=f"advisory lock {MIGRATION_LOCK_KEY}"):
+            migrate(dsn, sql_root=root, lock_timeout=0.2)
+    assert versions(dsn) == [1]
+
+
+def test_a_lock_released_in_time_is_taken_and_the_files_keep_the_sessions_lock_timeout(
+    dsn: str, tmp_path: Path
+) -> None:
+    root = write_tree(
+        tmp_path / "sql",
+        {
+            "core/0001_check.sql": (
+                "DO $$ BEGIN IF current_setting('lock_timeout') <> '1234ms' THEN "
+                "RAISE EXCEPTION 'lock_timeout is %', current_setting('lock_timeout'); "
+                "END IF; END $$;\n"
+            )
+        },
+    )
+    session = make_conninfo(dsn, options="-c lock_timeout=1234")
+    with psycopg.connect(dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", [MIGRATION_LOCK_KEY])
+        timer = threading.Timer(
+            0.5, lambda: holder.execute("SELECT pg_advisory_unlock(%s)", [MIGRATION_LOCK_KEY])
+        )
+        timer.start()
+        try:
+            applied = migrate(session, sql_root=root, lock_timeout=30)
+        finally:
+            timer.join()
+
+    assert [a.file_name for a in applied] == ["0001_check.sql"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "variable", "named"),
+    [
+        ("0", None, "--lock-timeout must be a number of seconds > 0"),
+        ("nan", None, "--lock-timeout must be a number of seconds"),
+        ("86401", None, "at most 86400"),
+        (None, "abc", "QL3_MIGRATE_LOCK_TIMEOUT='abc' is not a number of seconds"),
+        (None, "-1", "QL3_MIGRATE_LOCK_TIMEOUT must be a number of seconds"),
+    ],
+)
+def test_a_bad_lock_timeout_is_exit_2_naming_where_it_came_from(
+    cli_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str | None,
+    variable: str | None,
+    named: str,
+) -> None:
+    if variable is not None:
+        monkeypatch.setenv("QL3_MIGRATE_LOCK_TIMEOUT", variable)
+    argv = ["migrate", "--dsn", "dbname=never_reached"]
+    assert run_cli(*argv, *(["--lock-timeout", flag] if flag else [])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ql3 migrate: QL3_INVALID_ARGUMENT: ") and named in err, err
+
+
 # --------------------------------------------------------------------------- status, ready
 
 
@@ -762,6 +879,28 @@ def test_cli_ready_exits_1_and_prints_the_differences(
     assert "core: unexpected tables: ql3.stray" in out
     assert "ql3_ai: pending migrations: 0001_prompts.sql, 0002_replies.sql" in out
     assert "ql3_ai: missing tables: ql3_ai.feature_history" in out
+
+
+@pytest.mark.parametrize("role", LOGIN_ROLES)
+def test_ql3_ready_works_for_a_login_in_each_group_role(
+    db_dsn: str, role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for with_ai in ([], ["--with-ai"]):
+        assert cli.main(["ready", "--dsn", role_dsn(db_dsn, role), *with_ai]) == 0
+        assert capsys.readouterr() == ("ready\n", "")
+
+
+def test_cli_ready_escapes_control_characters_in_table_names(
+    dsn: str, cli_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_cli("migrate", "--dsn", dsn)
+    run(dsn, 'CREATE TABLE ql3."stray\x1b[2J\x9b31m" (id int)')
+    capsys.readouterr()
+
+    assert run_cli("ready", "--dsn", dsn) == 1
+    out = capsys.readouterr().out
+    assert "core: unexpected tables: ql3.stray\\x1b[2J\\x9b31m" in out, out
+    assert "\x1b" not in out and "\x9b" not in out
 
 
 def test_cli_reports_an_unreachable_database_and_exits_1(

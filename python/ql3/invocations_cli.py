@@ -27,7 +27,8 @@ SELECT st.invocation_id, st.project_id, st.run_id::text AS run_id,
        st.step_run_id::text AS step_run_id, st.attempt, st.provider, st.model,
        st.record ->> 'deadline_at' AS deadline_at, st.record ->> 'admitted_at' AS admitted_at,
        c.outcome, c.result_code, c.recovered, c.record ->> 'completed_at' AS completed_at,
-       v.decision, v.user_id AS resolved_by, v.record ->> 'resolved_at' AS resolved_at
+       v.decision, v.user_id AS resolved_as, v.resolved_by::text AS resolved_by,
+       v.record ->> 'resolved_at' AS resolved_at
 FROM ql3_ai.model_invocation_starts AS st
 LEFT JOIN ql3_ai.model_invocation_completions AS c ON c.invocation_id = st.invocation_id
 LEFT JOIN ql3_ai.model_invocation_resolutions AS v ON v.invocation_id = st.invocation_id
@@ -52,7 +53,7 @@ LIMIT %(limit)s"""
 _SHOW_SQL = """
 SELECT st.record AS start, st.start_digest,
        c.record AS completion, c.completion_digest,
-       v.record AS resolution, v.resolution_digest,
+       v.record AS resolution, v.resolution_digest, v.resolved_by::text AS resolved_by,
        to_jsonb(s) AS step, to_jsonb(u) AS usage
 FROM ql3_ai.model_invocation_starts AS st
 INNER JOIN ql3.step_runs AS s ON s.step_run_id = st.step_run_id

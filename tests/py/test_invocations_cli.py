@@ -168,6 +168,14 @@ def test_resolve_reads_the_digest_and_version_itself_and_replays_as_existing(
     assert code == 0 and again["status"] == "existing"
     assert again["resolution_digest"] == result["resolution_digest"]
 
+    # show and list tell the user it was resolved as from the login that resolved (D47)
+    code, shown, _ = run(capsys, "invocations", "show", invocation_id(lost))
+    assert code == 0 and shown["resolution"]["user_id"] == "alice"
+    assert shown["resolved_by"] == "ql3_test_operator"
+    code, rows, _ = run(capsys, "invocations", "list")
+    row = next(r for r in rows if r["invocation_id"] == invocation_id(lost))
+    assert (row["resolved_as"], row["resolved_by"]) == ("alice", "ql3_test_operator")
+
     code, _, err = run(capsys, "resolve", invocation_id(lost), "--decision", "cancel",
                        "--user", "alice")  # fmt: skip
     assert code == 1 and err.startswith("error: QL3_CONFLICT")

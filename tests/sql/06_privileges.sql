@@ -1,6 +1,7 @@
--- Privileges of the contract core (SPEC 5, D46): the ledger and contract tables of
--- sql/core/0002_contracts.sql, the outbox's sequence, and the functions of
--- sql/core/0001_canonical.sql and sql/core/0002_contracts.sql.
+-- Privileges of the contract core (SPEC 5, D46, D47): the ledger and contract tables of
+-- sql/core/0002_contracts.sql (project_grants included), the outbox's sequence, the
+-- functions of sql/core/0001_canonical.sql and sql/core/0002_contracts.sql, and the
+-- row-level security of the contract tables (17_isolation.sql tests what it does).
 --
 -- One trust boundary (D46): every role reads, and writes only through the functions of its
 -- job, which run as ql3_owner (SECURITY DEFINER, search_path pinned with pg_temp last).
@@ -8,7 +9,7 @@
 -- (runs, step_runs, ...) get their own privilege file; the schema-wide checks at the end
 -- cover them too, and 15b_privilege_catalog.sql holds the exact lists of both schemas.
 BEGIN;
-SELECT plan(261);
+SELECT plan(328);
 SET LOCAL client_min_messages = warning;
 
 \ir lib/privilege_helpers.sql
@@ -47,7 +48,10 @@ FROM (VALUES
     ('contract_revisions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
     ('revision_revocations', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
     ('active_revisions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
-    ('contract_outbox', '{}', '{SELECT}', '{SELECT}', '{SELECT}', '{}')
+    ('contract_outbox', '{}', '{SELECT}', '{SELECT}', '{SELECT}', '{}'),
+    -- Project isolation (D47): operators read who may act on what, and change it only
+    -- through grant_project and revoke_project.
+    ('project_grants', '{}', '{}', '{SELECT}', '{}', '{}')
 ) AS t (table_name, runtime, relay, operator, reader, public)
 CROSS JOIN LATERAL (VALUES
     (1, 'ql3_runtime', t.runtime),
@@ -132,7 +136,14 @@ FROM (VALUES
     (26, '_revision_of', '{uuid}', '{}'),
     (27, '_reject_mutation', '{}', '{}'),
     (28, '_guard_outbox', '{}', '{}'),
-    (29, '_notify_outbox', '{}', '{}')
+    (29, '_notify_outbox', '{}', '{}'),
+    -- Project isolation (D47): every role may ask what it may act on; operators map projects.
+    (30, 'may_act_on', '{text}', '{ql3_runtime,ql3_relay,ql3_operator,ql3_reader}'),
+    (31, 'visible_projects', '{}', '{ql3_runtime,ql3_relay,ql3_operator,ql3_reader}'),
+    (32, 'grant_project', '{name,text}', '{ql3_operator}'),
+    (33, 'revoke_project', '{name,text}', '{ql3_operator}'),
+    (34, '_may_act', '{text}', '{}'),
+    (35, '_require_project', '{text}', '{}')
 ) AS f (ord, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')
@@ -183,6 +194,54 @@ SELECT is_empty(
     'ql3_owner owns every function in schema ql3'
 );
 
+-- SECURITY DEFINER and row-level security (D46, D47) ---------------------------------------
+-- The functions that write, the canonical and identity functions, the project functions and
+-- the backlog (which counts every project) run as ql3_owner. Every contract table that holds
+-- a project's rows has row-level security, not forced (so that the owner's functions read
+-- every row), with one SELECT policy for every role: the rows of the projects it may act on.
+
+SELECT set_eq(
+    $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
+      WHERE p.pronamespace = 'ql3'::regnamespace AND p.prosecdef
+        AND p.oid NOT IN ('ql3.create_run(text, text, uuid)'::regprocedure,
+                          'ql3.add_step_run(uuid, text, uuid)'::regprocedure)$$,
+    ARRAY['ql3.jcs(jsonb)', 'ql3.digest(text,jsonb)', 'ql3.parse_json(text)', 'ql3.mutation_id(text,text)',
+          'ql3.event_id(text,text)', 'ql3.dedupe_key(text,text)', 'ql3.put_revision(text,text,text,jsonb,text)',
+          'ql3.activate_revision(text,text,text,uuid,text,uuid)', 'ql3.revoke_revision(uuid,text,text)',
+          'ql3.claim_outbox(integer)', 'ql3.mark_outbox_delivered(bigint[])', 'ql3.mark_outbox_failed(bigint[],text)',
+          'ql3.outbox_backlog()', 'ql3.may_act_on(text)', 'ql3.visible_projects()', 'ql3.grant_project(name,text)',
+          'ql3.revoke_project(name,text)'],
+    'exactly these functions of 0001 and 0002 are SECURITY DEFINER'
+);
+
+SELECT ok(
+    (SELECT c.relrowsecurity AND NOT c.relforcerowsecurity FROM pg_class AS c WHERE c.oid = format('ql3.%I', t.table_name)::regclass),
+    format('ql3.%s has row-level security, not forced (its owner reads every row)', t.table_name)
+)
+FROM (VALUES (1, 'contract_revisions'), (2, 'revision_revocations'), (3, 'active_revisions'), (4, 'contract_outbox'))
+    AS t (ord, table_name)
+ORDER BY t.ord;
+SELECT policies_are('ql3', t.table_name, ARRAY['project_rows'], format('ql3.%s has exactly one policy, project_rows', t.table_name))
+FROM (VALUES (1, 'contract_revisions'), (2, 'revision_revocations'), (3, 'active_revisions'), (4, 'contract_outbox'))
+    AS t (ord, table_name)
+ORDER BY t.ord;
+SELECT policy_cmd_is('ql3', t.table_name, 'project_rows', 'SELECT', format('ql3.%s.project_rows is FOR SELECT', t.table_name))
+FROM (VALUES (1, 'contract_revisions'), (2, 'revision_revocations'), (3, 'active_revisions'), (4, 'contract_outbox'))
+    AS t (ord, table_name)
+ORDER BY t.ord;
+SELECT ok(
+    (SELECT p.polroles = '{0}'::oid [] AND p.polpermissive FROM pg_policy AS p
+     WHERE p.polrelid = format('ql3.%I', t.table_name)::regclass AND p.polname = 'project_rows'),
+    format('ql3.%s.project_rows is permissive and applies to every role (PUBLIC)', t.table_name)
+)
+FROM (VALUES (1, 'contract_revisions'), (2, 'revision_revocations'), (3, 'active_revisions'), (4, 'contract_outbox'))
+    AS t (ord, table_name)
+ORDER BY t.ord;
+SELECT ok(
+    NOT (SELECT c.relrowsecurity FROM pg_class AS c WHERE c.oid = 'ql3.project_grants'::regclass),
+    'ql3.project_grants has no row-level security (only operators read it)'
+);
+
 -- Behaviour under each role ------------------------------------------------------------------
 
 -- An undelivered outbox row for the relay, made by the test superuser.
@@ -220,6 +279,19 @@ SELECT throws_ok(
     $$SELECT * FROM ql3.claim_outbox(1)$$,
     '42501', NULL, 'ql3_runtime cannot claim outbox rows'
 );
+SELECT throws_ok(
+    $$SELECT ql3.grant_project('ql3_runtime', 'tap06-rt')$$,
+    '42501', NULL, 'ql3_runtime cannot grant itself a project'
+);
+SELECT throws_ok(
+    $$SELECT * FROM ql3.project_grants$$,
+    '42501', NULL, 'ql3_runtime cannot read the project grants'
+);
+SELECT is(
+    (SELECT ql3.visible_projects() IS NULL AND ql3.may_act_on('tap06-rt')),
+    TRUE,
+    'ql3_runtime may act on every project while no project is granted (single tenant, D47)'
+);
 SELECT results_eq(
     $$SELECT revision_id, pointer_version FROM ql3.active_revision('tap06-relay', 'policy_routing', 'c1')$$,
     $$SELECT revision_id, 1::bigint FROM ql3.contract_revisions WHERE project_id = 'tap06-relay'$$,
@@ -249,6 +321,7 @@ SELECT is(
     'ql3_relay marks a row delivered'
 );
 SELECT lives_ok($$SELECT * FROM ql3.outbox_backlog()$$, 'ql3_relay reads the backlog');
+SELECT lives_ok($$SELECT ql3.visible_projects()$$, 'ql3_relay may ask which projects it may act on');
 SELECT throws_ok(
     $$UPDATE ql3.contract_outbox SET delivered_at = NULL WHERE project_id = 'tap06-relay'$$,
     '42501', NULL, 'ql3_relay cannot update contract_outbox.delivered_at by hand'
@@ -305,6 +378,15 @@ SELECT throws_ok(
     $$UPDATE ql3.contract_revisions SET created_by = 'x' WHERE project_id = 'tap06-op'$$,
     '42501', NULL, 'ql3_operator cannot update revisions (refused before the trigger)'
 );
+SELECT lives_ok($$SELECT * FROM ql3.project_grants$$, 'ql3_operator reads the project grants');
+SELECT throws_ok(
+    $$INSERT INTO ql3.project_grants (role_name, project_id, granted_by) VALUES ('ql3_operator', NULL, 'op')$$,
+    '42501', NULL, 'ql3_operator cannot grant itself every project by INSERT'
+);
+SELECT throws_ok(
+    $$DELETE FROM ql3.project_grants$$,
+    '42501', NULL, 'ql3_operator cannot delete project grants (turning isolation off)'
+);
 
 RESET ROLE;
 SET LOCAL ROLE ql3_reader;
@@ -326,6 +408,10 @@ SELECT throws_ok(
 SELECT throws_ok(
     $$UPDATE ql3.active_revisions SET pointer_version = pointer_version + 1 WHERE project_id = 'tap06-op'$$,
     '42501', NULL, 'ql3_reader cannot move a pointer'
+);
+SELECT throws_ok(
+    $$SELECT ql3.revoke_project('ql3_reader', NULL)$$,
+    '42501', NULL, 'ql3_reader cannot revoke project grants'
 );
 
 RESET ROLE;

@@ -1,5 +1,6 @@
--- Roles and grants of the runs and ql3_ai objects (SPEC section 5, D46): exact privileges of
--- every role on every new table and function, what each role can and cannot do, immutability.
+-- Roles and grants of the runs and ql3_ai objects (SPEC section 5, D46, D47): exact privileges
+-- of every role on every new table and function, their row-level security, what each role can
+-- and cannot do, immutability.
 -- Table-driven like 06_privileges.sql: one row per object with what each role holds. One
 -- trust boundary: every role only reads; the functions of its job, running as ql3_owner,
 -- are its only way to write.
@@ -8,7 +9,7 @@ SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refus
 \ir lib/invocation_helpers.sql
 \ir lib/privilege_helpers.sql
 
-SELECT plan(494);
+SELECT plan(575);
 
 -- Schema and catalogue -----------------------------------------------------------------------
 
@@ -25,8 +26,8 @@ ORDER BY g.ord;
 SELECT tables_are(
     'ql3_ai',
     ARRAY['feature_history', 'model_invocation_starts', 'model_invocation_completions',
-          'model_invocation_resolutions', 'usage_ledger'],
-    'ql3_ai holds exactly its ledger and the four receipt tables'
+          'model_invocation_resolutions', 'usage_ledger', 'resolver_identities'],
+    'ql3_ai holds exactly its ledger, the four receipt tables and the resolver identities'
 );
 SELECT functions_are(
     'ql3_ai',
@@ -121,7 +122,9 @@ FROM (VALUES
     (6, 'ql3_ai', 'model_invocation_starts', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
     (7, 'ql3_ai', 'model_invocation_completions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
     (8, 'ql3_ai', 'model_invocation_resolutions', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
-    (9, 'ql3_ai', 'usage_ledger', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}')
+    (9, 'ql3_ai', 'usage_ledger', '{SELECT}', '{}', '{SELECT}', '{SELECT}', '{}'),
+    -- Who may resolve as whom (D47): the owner's to map, the operators' to read.
+    (10, 'ql3_ai', 'resolver_identities', '{}', '{}', '{SELECT}', '{}', '{}')
 ) AS t (ord, schema_name, table_name, runtime, relay, operator, reader, public)
 CROSS JOIN LATERAL (VALUES
     (1, 'ql3_runtime', t.runtime),
@@ -193,6 +196,55 @@ CROSS JOIN (VALUES
 ) AS g (ord, role)
 ORDER BY f.ord, g.ord;
 
+-- Row-level security (D47) ------------------------------------------------------------------
+-- Every table of runs and receipts has row-level security, not forced (the owner's functions
+-- read every row), with one permissive SELECT policy for every role; the resolutions record
+-- the login that resolved. 17_isolation.sql tests what the policies let each login read.
+
+CREATE TEMP TABLE rls_tables (ord, schema_name, table_name) AS
+VALUES
+    (1, 'ql3', 'runs'),
+    (2, 'ql3', 'step_runs'),
+    (3, 'ql3', 'run_events'),
+    (4, 'ql3', 'step_run_mutations'),
+    (5, 'ql3_ai', 'model_invocation_starts'),
+    (6, 'ql3_ai', 'model_invocation_completions'),
+    (7, 'ql3_ai', 'model_invocation_resolutions'),
+    (8, 'ql3_ai', 'usage_ledger');
+
+SELECT ok(
+    (SELECT c.relrowsecurity AND NOT c.relforcerowsecurity FROM pg_class AS c
+     WHERE c.oid = format('%I.%I', t.schema_name, t.table_name)::regclass),
+    format('%s.%s has row-level security, not forced (its owner reads every row)', t.schema_name, t.table_name)
+)
+FROM rls_tables AS t ORDER BY t.ord;
+SELECT policies_are(
+    t.schema_name, t.table_name, ARRAY['project_rows'],
+    format('%s.%s has exactly one policy, project_rows', t.schema_name, t.table_name)
+)
+FROM rls_tables AS t ORDER BY t.ord;
+SELECT policy_cmd_is(
+    t.schema_name, t.table_name, 'project_rows', 'SELECT',
+    format('%s.%s.project_rows is FOR SELECT', t.schema_name, t.table_name)
+)
+FROM rls_tables AS t ORDER BY t.ord;
+SELECT ok(
+    (SELECT p.polroles = '{0}'::oid [] AND p.polpermissive FROM pg_policy AS p
+     WHERE p.polrelid = format('%I.%I', t.schema_name, t.table_name)::regclass AND p.polname = 'project_rows'),
+    format('%s.%s.project_rows is permissive and applies to every role (PUBLIC)', t.schema_name, t.table_name)
+)
+FROM rls_tables AS t ORDER BY t.ord;
+SELECT ok(
+    NOT (SELECT c.relrowsecurity FROM pg_class AS c WHERE c.oid = 'ql3_ai.resolver_identities'::regclass),
+    'ql3_ai.resolver_identities has no row-level security (only operators read it)'
+);
+SELECT col_not_null(
+    'ql3_ai', 'model_invocation_resolutions', 'resolved_by', 'every resolution records the login that made it'
+);
+SELECT col_type_is(
+    'ql3_ai', 'model_invocation_resolutions', 'resolved_by', 'name', 'resolved_by is a role name'
+);
+
 -- Refusals: one row per statement a role's grants must not permit --------------------------
 -- Whatever the rows: the privilege check comes first. Locking a row in any mode needs
 -- UPDATE, so no role but the owner can lock a run, a step, a receipt or a run event.
@@ -211,7 +263,8 @@ FROM (VALUES
     (5, 'ql3', 'run_events', 'event_id'),
     (6, 'ql3', 'step_run_mutations', 'mutation_id'),
     (7, 'ql3', 'runs', 'run_id'),
-    (8, 'ql3', 'step_runs', 'step_run_id')
+    (8, 'ql3', 'step_runs', 'step_run_id'),
+    (9, 'ql3_ai', 'resolver_identities', 'user_id')
 ) AS t (ord, schema_name, table_name, column_name)
 CROSS JOIN (VALUES
     (0, 'INSERT INTO %1$I.%2$I DEFAULT VALUES', 'INSERT into', ''),
@@ -273,10 +326,19 @@ SELECT lives_ok(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-1', 'retry', 'alice'))$$, 'the operator resolves'
 );
 SELECT is(
+    (SELECT r.user_id || ' by ' || r.resolved_by FROM ql3_ai.model_invocation_resolutions AS r
+     WHERE r.invocation_id = 'inv-1'),
+    'alice by ' || session_user,
+    'the resolution records the login (session_user, not the role SET ROLE chose) beside the user_id'
+);
+SELECT is(
     (ql3_ai.recover_expired(10, interval '0') ->> 'count')::integer, 2, 'the operator recovers'
 );
 SELECT lives_ok(
     $$SELECT * FROM ql3_ai.usage_summary('proj', NULL, NULL)$$, 'the operator reads the usage summary'
+);
+SELECT lives_ok(
+    $$SELECT * FROM ql3_ai.resolver_identities$$, 'the operator reads the resolver identities'
 );
 SELECT throws_ok(
     $$SELECT ql3_ai.admit_invocation(tests.admission(
@@ -299,6 +361,9 @@ FROM tests.refusals AS r WHERE r.role = 'ql3_reader' ORDER BY r.ord;
 SET ROLE ql3_relay;
 SELECT throws_ok(
     $$SELECT count(*) FROM ql3_ai.model_invocation_starts$$, '42501', NULL, 'the relay cannot read receipts'
+);
+SELECT throws_ok(
+    $$SELECT count(*) FROM ql3_ai.resolver_identities$$, '42501', NULL, 'the relay cannot read the resolver identities'
 );
 SELECT throws_ok(
     $$SELECT * FROM ql3_ai.usage_summary('proj', NULL, NULL)$$, '42501', NULL, 'the relay cannot read usage'

@@ -4,7 +4,7 @@
 -- table, sequence, function or grant without an expectation here fails; 06_privileges.sql
 -- and 15_ai_privileges.sql check the same matrices object by object, with behaviour.
 BEGIN;
-SELECT plan(22);
+SELECT plan(25);
 
 -- Roles ------------------------------------------------------------------------------------
 
@@ -48,6 +48,7 @@ VALUES
     ('ql3', 'revision_revocations', TRUE, FALSE, TRUE, TRUE),
     ('ql3', 'active_revisions', TRUE, FALSE, TRUE, TRUE),
     ('ql3', 'contract_outbox', FALSE, TRUE, TRUE, TRUE),
+    ('ql3', 'project_grants', FALSE, FALSE, TRUE, FALSE),
     ('ql3', 'runs', TRUE, FALSE, TRUE, TRUE),
     ('ql3', 'step_runs', TRUE, FALSE, TRUE, TRUE),
     ('ql3', 'run_events', TRUE, FALSE, TRUE, TRUE),
@@ -56,7 +57,8 @@ VALUES
     ('ql3_ai', 'model_invocation_starts', TRUE, FALSE, TRUE, TRUE),
     ('ql3_ai', 'model_invocation_completions', TRUE, FALSE, TRUE, TRUE),
     ('ql3_ai', 'model_invocation_resolutions', TRUE, FALSE, TRUE, TRUE),
-    ('ql3_ai', 'usage_ledger', TRUE, FALSE, TRUE, TRUE);
+    ('ql3_ai', 'usage_ledger', TRUE, FALSE, TRUE, TRUE),
+    ('ql3_ai', 'resolver_identities', FALSE, FALSE, TRUE, FALSE);
 
 SELECT set_eq(
     $$SELECT c.relnamespace::regnamespace::text, c.relname::text FROM pg_class AS c
@@ -168,10 +170,16 @@ VALUES
     ('ql3.claim_outbox(integer)', '{ql3_relay}', TRUE),
     ('ql3.mark_outbox_delivered(bigint[])', '{ql3_relay}', TRUE),
     ('ql3.mark_outbox_failed(bigint[],text)', '{ql3_relay}', TRUE),
-    ('ql3.outbox_backlog()', '{ql3_relay,ql3_operator,ql3_reader}', FALSE),
+    ('ql3.outbox_backlog()', '{ql3_relay,ql3_operator,ql3_reader}', TRUE),  -- counts every project (D47)
     ('ql3.wake_relays()', '{ql3_operator}', FALSE),
     ('ql3.create_run(text,text,uuid)', '{ql3_runtime}', TRUE),
     ('ql3.add_step_run(uuid,text,uuid)', '{ql3_runtime}', TRUE),
+    ('ql3.may_act_on(text)', '{ql3_runtime,ql3_relay,ql3_operator,ql3_reader}', TRUE),
+    ('ql3.visible_projects()', '{ql3_runtime,ql3_relay,ql3_operator,ql3_reader}', TRUE),
+    ('ql3.grant_project(name,text)', '{ql3_operator}', TRUE),
+    ('ql3.revoke_project(name,text)', '{ql3_operator}', TRUE),
+    ('ql3._may_act(text)', '{}', FALSE),
+    ('ql3._require_project(text)', '{}', FALSE),
     ('ql3._jcs_sort_key(text)', '{}', FALSE),
     ('ql3._jcs_number(text)', '{}', FALSE),
     ('ql3._jcs_value(jsonb,integer)', '{}', FALSE),
@@ -241,7 +249,8 @@ SELECT set_eq(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
       WHERE p.pronamespace IN ('ql3'::regnamespace, 'ql3_ai'::regnamespace) AND p.prosecdef$$,
     $$SELECT f.signature FROM expected_functions AS f WHERE f.definer$$,
-    'exactly the functions that write, and the canonical and identity functions, are SECURITY DEFINER'
+    'exactly the functions that write, the canonical and identity functions, the project functions and the '
+    'backlog are SECURITY DEFINER'
 );
 
 SELECT is_empty(
@@ -266,6 +275,51 @@ SELECT is_empty(
       WHERE p.pronamespace IN ('ql3'::regnamespace, 'ql3_ai'::regnamespace) AND p.prosecdef
         AND p.prokind <> 'f'$$,
     'every SECURITY DEFINER object is a plain function (no procedure that could COMMIT mid-way)'
+);
+
+-- Row-level security (D47) ------------------------------------------------------------------
+-- Exactly the tables that hold a project's rows, or hang off one, have row-level security;
+-- none has it forced (the owner, whose functions write and check, reads every row); each has
+-- exactly one policy, project_rows: permissive, FOR SELECT, for every role.
+
+CREATE TEMP TABLE expected_rls (schema_name, table_name) AS
+VALUES
+    ('ql3', 'contract_revisions'),
+    ('ql3', 'revision_revocations'),
+    ('ql3', 'active_revisions'),
+    ('ql3', 'contract_outbox'),
+    ('ql3', 'runs'),
+    ('ql3', 'step_runs'),
+    ('ql3', 'run_events'),
+    ('ql3', 'step_run_mutations'),
+    ('ql3_ai', 'model_invocation_starts'),
+    ('ql3_ai', 'model_invocation_completions'),
+    ('ql3_ai', 'model_invocation_resolutions'),
+    ('ql3_ai', 'usage_ledger');
+
+SELECT set_eq(
+    $$SELECT c.relnamespace::regnamespace::text, c.relname::text FROM pg_class AS c
+      WHERE c.relnamespace IN ('ql3'::regnamespace, 'ql3_ai'::regnamespace) AND c.relrowsecurity$$,
+    $$SELECT e.schema_name, e.table_name FROM expected_rls AS e$$,
+    'exactly the twelve project tables of ql3 and ql3_ai have row-level security'
+);
+
+SELECT is_empty(
+    $$SELECT c.oid::regclass::text FROM pg_class AS c
+      WHERE c.relnamespace IN ('ql3'::regnamespace, 'ql3_ai'::regnamespace) AND c.relforcerowsecurity$$,
+    'no table of ql3 or ql3_ai forces row-level security on its owner'
+);
+
+SELECT set_eq(
+    $$SELECT c.relnamespace::regnamespace::text, c.relname::text, p.polname::text, p.polcmd::text, p.polpermissive,
+             p.polroles::text
+      FROM pg_policy AS p
+      INNER JOIN pg_class AS c ON c.oid = p.polrelid
+      WHERE c.relnamespace IN ('ql3'::regnamespace, 'ql3_ai'::regnamespace)$$,
+    $$SELECT e.schema_name, e.table_name, 'project_rows' AS polname, 'r' AS polcmd, TRUE AS polpermissive,
+             '{0}' AS polroles
+      FROM expected_rls AS e$$,
+    'each of them has exactly one policy, project_rows: permissive, FOR SELECT, for every role (PUBLIC)'
 );
 
 -- Ownership and default privileges ----------------------------------------------------------

@@ -2,12 +2,13 @@
 -- SET ROLE, with the SQLSTATE of its refusal and proof that nothing was written:
 -- (a) squatting a receipt identity; (b) forging facts by hand; (c) locking tables and rows;
 -- (d) the operator writing around its functions; (e) huge inputs; (f) shadowing names in
--- pg_temp; (g) the policy fence in each isolation level, driven over dblink.
+-- pg_temp; (g) the policy fence in each isolation level, and advisory locks taken by any role,
+-- driven over dblink.
 BEGIN;
 SET LOCAL client_min_messages = warning;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(229);
+SELECT plan(244);
 
 -- Helpers -----------------------------------------------------------------------------------
 
@@ -489,10 +490,16 @@ SELECT results_eq(
 RESET ROLE;
 
 -- (g) The policy fence in each isolation level, over dblink -----------------------------------
--- Two more sessions, committed: one admits as the runtime, one revokes as the operator, each
--- under a project of its own. An admission whose snapshot predates a committed revocation of
--- its policy fails with 40001 under REPEATABLE READ and SERIALIZABLE, and with Q3C02 under
--- READ COMMITTED; an uncommitted admission holds a revocation off until it ends.
+-- Three more sessions, committed: one admits as the runtime, one activates and revokes as the
+-- operator, each under a project of its own, and one takes advisory locks as the reader. An
+-- admission whose snapshot predates a committed revocation of its policy fails with 40001
+-- under REPEATABLE READ and SERIALIZABLE, and with Q3C02 under READ COMMITTED. Under READ
+-- COMMITTED nothing waits (D47): an admission in flight is ordered before a revocation that
+-- commits meanwhile, and a revocation in flight after an admission that reads the pointer
+-- meanwhile. Under REPEATABLE READ an admission in flight holds the revocation off (FOR
+-- SHARE). No ql3 writer takes an advisory lock: any role may take any advisory key, the old
+-- fence's key included, without stalling a contract. Every session gives up on a lock after
+-- lock_timeout, so a wait shows as 55P03.
 
 INSERT INTO fx (key, value) VALUES ('p', 'tap16-' || gen_random_uuid());
 INSERT INTO fx (key, value)
@@ -500,7 +507,18 @@ VALUES ('dsn', format('host=127.0.0.1 port=%s dbname=%s user=postgres', current_
 SELECT dblink_connect('tap16_setup', (SELECT value FROM fx WHERE key = 'dsn'));
 SELECT dblink_connect('tap16_rt', (SELECT value FROM fx WHERE key = 'dsn'));
 SELECT dblink_connect('tap16_op', (SELECT value FROM fx WHERE key = 'dsn'));
+SELECT dblink_connect('tap16_adv', (SELECT value FROM fx WHERE key = 'dsn'));
 SELECT dblink_exec('tap16_op', 'SET ROLE ql3_operator');
+SELECT dblink_exec('tap16_adv', 'SET ROLE ql3_reader');
+SELECT dblink_exec(c.name, 'SET lock_timeout = ''500ms''')
+FROM (VALUES (1, 'tap16_rt'), (2, 'tap16_op'), (3, 'tap16_adv')) AS c (ord, name)
+ORDER BY c.ord;
+INSERT INTO fx (key, value)
+SELECT
+    c.name AS key,
+    t.pid::text AS value
+FROM (VALUES ('pid_rt', 'tap16_rt'), ('pid_adv', 'tap16_adv')) AS c (name, conn)
+CROSS JOIN LATERAL dblink(c.conn, 'SELECT pg_backend_pid()') AS t (pid integer);  -- noqa: ST05
 
 -- One contract, run and step per case (fresh ids: they are committed), committed.
 CREATE TEMP TABLE fence AS
@@ -516,7 +534,10 @@ FROM (VALUES
     (1, 'REPEATABLE READ', 'c-rr', gen_random_uuid(), gen_random_uuid(), '40001'),
     (2, 'SERIALIZABLE', 'c-ser', gen_random_uuid(), gen_random_uuid(), '40001'),
     (3, 'READ COMMITTED', 'c-rc', gen_random_uuid(), gen_random_uuid(), 'Q3C02'),
-    (4, 'READ COMMITTED', 'c-block', gen_random_uuid(), gen_random_uuid(), NULL)
+    (4, 'READ COMMITTED', 'c-rc-admission', gen_random_uuid(), gen_random_uuid(), NULL),
+    (5, 'READ COMMITTED', 'c-rc-revocation', gen_random_uuid(), gen_random_uuid(), NULL),
+    (6, 'REPEATABLE READ', 'c-rr-hold', gen_random_uuid(), gen_random_uuid(), NULL),
+    (7, 'READ COMMITTED', 'c-advisory', gen_random_uuid(), gen_random_uuid(), NULL)
 ) AS c (ord, isolation, contract, run_id, step_run_id, expected)
 CROSS JOIN LATERAL dblink(  -- noqa: ST05
     'tap16_setup',
@@ -542,6 +563,14 @@ AS $$
     FROM fence AS f WHERE f.ord = p_ord;
 $$;
 
+-- The remote statement that revokes a case's revision, returning the new pointer_version.
+CREATE FUNCTION tests.fence_revocation(p_ord integer) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT format('SELECT (ql3.revoke_revision(%L, ''op'', ''incident'')).pointer_version', f.revision_id)
+    FROM fence AS f WHERE f.ord = p_ord;
+$$;
+
 -- Cases 1-3: the admitting transaction takes its snapshot, then the revocation commits,
 -- then the transaction admits under the revoked revision.
 CREATE FUNCTION tests.fence_case(p_ord integer) RETURNS text
@@ -555,9 +584,7 @@ BEGIN
     PERFORM dblink_exec('tap16_rt', format('BEGIN ISOLATION LEVEL %s', f.isolation));
     PERFORM dblink_exec('tap16_rt', 'SET LOCAL ROLE ql3_runtime');
     PERFORM * FROM dblink('tap16_rt', 'SELECT count(*) FROM ql3.active_revisions') AS t (n bigint);
-    PERFORM * FROM dblink(
-        'tap16_op', format('SELECT (ql3.revoke_revision(%L, ''op'', ''incident'')).seq', f.revision_id)
-    ) AS t (seq bigint);
+    PERFORM * FROM dblink('tap16_op', tests.fence_revocation(p_ord)) AS t (n bigint);
     result := throws_ok(
         format('SELECT * FROM dblink(%L, %L) AS t (r text)', 'tap16_rt', tests.fence_admission(p_ord)),
         f.expected, NULL,
@@ -569,8 +596,26 @@ BEGIN
 END;
 $$;
 
+-- What the sessions hold: the advisory locks of a backend, and the active revision of a case.
+CREATE FUNCTION tests.advisory_locks(p_pid_key text) RETURNS bigint
+LANGUAGE sql STABLE
+AS $$
+    SELECT count(*) FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.granted AND l.pid = (SELECT x.value::integer FROM fx AS x WHERE x.key = p_pid_key);
+$$;
+
+CREATE FUNCTION tests.fence_pointer(p_ord integer) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT coalesce(a.active_revision_id::text, 'none') || '@' || a.pointer_version
+    FROM ql3.active_revisions AS a
+    INNER JOIN fence AS f ON a.contract_id = f.contract
+    WHERE f.ord = p_ord AND a.project_id = (SELECT x.value FROM fx AS x WHERE x.key = 'p')
+      AND a.contract_family = 'policy_routing';
+$$;
+
 SELECT is(
-    (SELECT count(*) FROM fence WHERE revision_id IS NOT NULL), 4::bigint, 'the fence fixture is committed'
+    (SELECT count(*) FROM fence WHERE revision_id IS NOT NULL), 7::bigint, 'the fence fixture is committed'
 );
 SELECT tests.fence_case(f.ord) FROM fence AS f WHERE f.ord <= 3 ORDER BY f.ord;
 SELECT is(
@@ -580,34 +625,118 @@ SELECT is(
     'none of the three admissions wrote a start'
 );
 
--- Case 4: an admission in flight holds the revocation of its policy off until it ends.
+-- Case 4, READ COMMITTED: an admission in flight does not hold the revocation of its policy
+-- off. The revocation commits at once; the admission, which read the pointer before it, is
+-- ordered before it and commits too.
 SELECT dblink_exec('tap16_rt', 'BEGIN ISOLATION LEVEL READ COMMITTED');
 SELECT dblink_exec('tap16_rt', 'SET LOCAL ROLE ql3_runtime');
 SELECT is(
     (SELECT t.r::jsonb ->> 'status' FROM dblink('tap16_rt', tests.fence_admission(4)) AS t (r text)),
     'created',
-    'an admission under the active policy, not yet committed'
+    'READ COMMITTED: an admission under the active policy, not yet committed'
 );
-SELECT dblink_exec('tap16_op', 'SET lock_timeout = ''200ms''');
+SELECT is(tests.advisory_locks('pid_rt'), 0::bigint, 'the admission in flight holds no advisory lock');
+SELECT is(
+    (SELECT t.n FROM dblink('tap16_op', tests.fence_revocation(4)) AS t (n bigint)),
+    2::bigint,
+    'READ COMMITTED: the revocation of its policy does not wait for the admission in flight: it commits'
+);
+SELECT is(dblink_exec('tap16_rt', 'COMMIT'), 'COMMIT', 'and the admission, ordered before it, commits');
+SELECT is(
+    (SELECT count(*) FROM ql3_ai.model_invocation_starts AS s
+     WHERE s.invocation_id = 'inv-fence-4-' || (SELECT x.value FROM fx AS x WHERE x.key = 'p'))
+    || ' ' || tests.fence_pointer(4),
+    '1 none@2',
+    'its start is committed, and the pointer is empty after the revocation'
+);
+
+-- Case 5, READ COMMITTED: a revocation in flight does not make an admission wait. The
+-- admission reads the pointer as last committed, is ordered before the revocation, commits.
+SELECT dblink_exec('tap16_op', 'BEGIN');
+SELECT is(
+    (SELECT t.n FROM dblink('tap16_op', tests.fence_revocation(5)) AS t (n bigint)),
+    2::bigint,
+    'READ COMMITTED: a revocation, not yet committed'
+);
+SELECT is(
+    (SELECT t.r::jsonb ->> 'status' FROM dblink('tap16_rt', 'SET ROLE ql3_runtime; ' || tests.fence_admission(5))
+        AS t (r text)),
+    'created',
+    'an admission under the policy it revokes does not wait for it (within lock_timeout): it commits first'
+);
+SELECT dblink_exec('tap16_rt', 'RESET ROLE');
+SELECT is(dblink_exec('tap16_op', 'COMMIT'), 'COMMIT', 'then the revocation commits');
+SELECT is(tests.fence_pointer(5), 'none@2', 'and the pointer is empty');
+
+-- Case 6, REPEATABLE READ: an admission in flight holds the pointer FOR SHARE, and with it
+-- the revocation of its policy, until it ends.
+SELECT dblink_exec('tap16_rt', 'BEGIN ISOLATION LEVEL REPEATABLE READ');
+SELECT dblink_exec('tap16_rt', 'SET LOCAL ROLE ql3_runtime');
+SELECT is(
+    (SELECT t.r::jsonb ->> 'status' FROM dblink('tap16_rt', tests.fence_admission(6)) AS t (r text)),
+    'created',
+    'REPEATABLE READ: an admission under the active policy, not yet committed'
+);
 SELECT throws_ok(
-    format('SELECT * FROM dblink(%L, %L) AS t (n bigint)', 'tap16_op',
-           format('SELECT (ql3.revoke_revision(%L, ''op'', ''incident'')).pointer_version',
-                  (SELECT revision_id FROM fence WHERE ord = 4))),
+    format('SELECT * FROM dblink(%L, %L) AS t (n bigint)', 'tap16_op', tests.fence_revocation(6)),
     '55P03', NULL,
-    'the revocation waits for the admission in flight (here: gives up after lock_timeout)'
+    'REPEATABLE READ: the revocation waits for the admission in flight (here: gives up after lock_timeout)'
 );
 SELECT dblink_exec('tap16_rt', 'ROLLBACK');
 SELECT is(
-    (SELECT t.n FROM dblink('tap16_op', format('SELECT (ql3.revoke_revision(%L, ''op'', ''incident'')).pointer_version',
-                                               (SELECT revision_id FROM fence WHERE ord = 4))) AS t (n bigint)),
+    (SELECT t.n FROM dblink('tap16_op', tests.fence_revocation(6)) AS t (n bigint)),
     2::bigint,
     'once the admission ended, the revocation commits'
 );
-SELECT dblink_exec('tap16_op', 'RESET lock_timeout');
+
+-- Case 7: the reader holds, for its whole session, the advisory lock the old fence took on
+-- the contract (key 7433267 and the hash of project, family and contract), and others.
+-- Admission, activation and revocation of that contract all proceed within lock_timeout.
+SELECT is(
+    (SELECT t.locked FROM dblink(
+        'tap16_adv',
+        format($remote$SELECT 'locked' FROM (
+                           SELECT pg_advisory_lock(7433267, hashtext(concat_ws(chr(31), %L, 'policy_routing', %L))),
+                                  pg_advisory_lock(7433267, 0), pg_advisory_lock(0), pg_advisory_lock_shared(7433267, 1)
+                       ) AS l$remote$,
+               (SELECT x.value FROM fx AS x WHERE x.key = 'p'), (SELECT f.contract FROM fence AS f WHERE f.ord = 7))
+    ) AS t (locked text)),
+    'locked',
+    'the reader takes the old fence''s advisory lock on a contract, and more keys (any role may)'
+);
+SELECT is(tests.advisory_locks('pid_adv'), 4::bigint, 'and holds them (pg_locks shows them)');
+SELECT is(
+    (SELECT t.r::jsonb ->> 'status' FROM dblink('tap16_rt', 'SET ROLE ql3_runtime; ' || tests.fence_admission(7))
+        AS t (r text)),
+    'created',
+    'an admission under that contract''s policy does not wait for the advisory lock'
+);
+SELECT dblink_exec('tap16_rt', 'RESET ROLE');
+SELECT is(
+    (SELECT t.n FROM dblink(
+        'tap16_op',
+        format($remote$SELECT (ql3.activate_revision(%1$L, 'policy_routing', %2$L, r.revision_id, 'op')).pointer_version
+                       FROM ql3.put_revision(%1$L, 'policy_routing', %2$L, '{"v": 2}', 'op') AS r$remote$,
+               (SELECT x.value FROM fx AS x WHERE x.key = 'p'), (SELECT f.contract FROM fence AS f WHERE f.ord = 7))
+    ) AS t (n bigint)),
+    2::bigint,
+    'nor does the activation of another revision of that contract'
+);
+SELECT is(
+    (SELECT t.n FROM dblink('tap16_op', tests.fence_revocation(7)) AS t (n bigint)),
+    2::bigint,
+    'nor the revocation of the revision it replaced'
+);
+SELECT is(
+    tests.advisory_locks('pid_adv'), 4::bigint,
+    'the reader held its advisory locks throughout: none of the three waited for them'
+);
+SELECT t.v FROM dblink('tap16_adv', 'SELECT pg_advisory_unlock_all()') AS t (v text);
 
 SELECT dblink_disconnect('tap16_setup');
 SELECT dblink_disconnect('tap16_rt');
 SELECT dblink_disconnect('tap16_op');
+SELECT dblink_disconnect('tap16_adv');
 
 SELECT * FROM finish();
 ROLLBACK;

@@ -209,6 +209,12 @@ BEGIN
         RETURN new_id;
     END IF;
     SELECT * INTO existing FROM ql3.step_runs AS s WHERE s.step_run_id = new_id;
+    IF existing.run_id <> p_run_id
+       AND NOT EXISTS (SELECT 1 FROM ql3.runs AS r
+                       WHERE r.run_id = existing.run_id AND ql3._may_act(r.project_id)) THEN
+        RAISE EXCEPTION USING  -- no word about another project's run (D47)
+            ERRCODE = 'Q3C01', MESSAGE = format('QL3_CONFLICT: step run %s exists in another project', new_id);
+    END IF;
     IF (existing.run_id, existing.kind) IS DISTINCT FROM (p_run_id, p_kind) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'Q3C01',

@@ -655,6 +655,11 @@ BEGIN
             RETURN jsonb_build_object('status', 'existing', 'start', prior.record,
                                       'start_digest', prior.start_digest);
         END IF;
+        IF NOT ql3._may_act(prior.project_id) THEN  -- no word about another project's start (D47)
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C01',
+                MESSAGE = format('QL3_CONFLICT: invocation %s was admitted in another project', invocation_id);
+        END IF;
         RAISE EXCEPTION USING
             ERRCODE = 'Q3C01',
             MESSAGE = format('QL3_CONFLICT: invocation %s was admitted with another command (digest %s)',

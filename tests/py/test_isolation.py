@@ -108,6 +108,18 @@ def test_a_runtime_login_acts_on_its_project_only(two_projects: dict[str, str]) 
         with pytest.raises(errors.NotFound):
             b.add_step_run(run_a, "model")
         assert b.step_run(step_a) is None  # row-level security: not there to read
+        # Ids b reuses from a's rows conflict without naming a's run or a's command digest.
+        run_b, step_b = model_step(b, project="b")
+        with pytest.raises(errors.Conflict) as taken:
+            b.add_step_run(run_b, "model", step_a)
+        assert "another project" in str(taken.value) and run_a not in str(taken.value)
+        reused = admission(
+            run_b, step_b, project="b", invocation_id=admitted["start"]["invocation_id"]
+        )
+        with pytest.raises(errors.Conflict) as taken:
+            b.admit_invocation(reused)
+        assert "another project" in str(taken.value)
+        assert admitted["start"]["command_digest"] not in str(taken.value)
         assert a.complete_invocation(completion(admitted, Outcome.SUCCEEDED))["status"] == "created"
 
 

@@ -27,18 +27,18 @@
 -- not format checks: each CHECK and FK costs every insert (measured: a first version with
 -- format CHECKs and an FK on every id spent about a quarter of an admit+complete pair there).
 
--- Identifier lengths and record sizes are bounded by CHECKs too, as defence in depth
--- behind the functions' checks (D46): a length comparison per column, no format check.
+-- Identifiers and records are of the domains ql3.identifier and ql3.bounded_json, as
+-- defence in depth behind the functions' checks (D46; see core 0002 for why domains).
 CREATE TABLE ql3_ai.model_invocation_starts (
-    invocation_id text PRIMARY KEY CHECK (char_length(invocation_id) BETWEEN 1 AND 128),
-    request_id text NOT NULL CHECK (char_length(request_id) BETWEEN 1 AND 128),
-    project_id text NOT NULL CHECK (char_length(project_id) BETWEEN 1 AND 128),
+    invocation_id ql3.identifier PRIMARY KEY,
+    request_id ql3.identifier NOT NULL,
+    project_id ql3.identifier NOT NULL,
     run_id uuid NOT NULL,
     step_run_id uuid NOT NULL REFERENCES ql3.step_runs (step_run_id),
-    trace_id text NOT NULL CHECK (char_length(trace_id) BETWEEN 1 AND 128),
+    trace_id ql3.identifier NOT NULL,
     attempt integer NOT NULL,
-    provider text NOT NULL CHECK (char_length(provider) BETWEEN 1 AND 128),
-    model text NOT NULL CHECK (char_length(model) BETWEEN 1 AND 128),
+    provider ql3.identifier NOT NULL,
+    model ql3.identifier NOT NULL,
     policy_contract_family text,
     policy_contract_id text,
     policy_revision_id uuid,
@@ -46,7 +46,7 @@ CREATE TABLE ql3_ai.model_invocation_starts (
     deadline_at timestamptz NOT NULL,
     input_bytes bigint NOT NULL,
     command_digest text NOT NULL,
-    record jsonb NOT NULL CHECK (pg_column_size(record) <= 196608),
+    record ql3.bounded_json NOT NULL,
     start_digest text NOT NULL,
     mutation_id text NOT NULL,
     event_id text NOT NULL,
@@ -72,7 +72,7 @@ CREATE TABLE ql3_ai.model_invocation_completions (
     run_id uuid NOT NULL,
     step_run_id uuid NOT NULL,
     outcome text NOT NULL,
-    result_code text NOT NULL CHECK (char_length(result_code) BETWEEN 1 AND 128),
+    result_code ql3.identifier NOT NULL,
     output_bytes bigint,
     output_digest text,
     input_tokens bigint,
@@ -81,7 +81,7 @@ CREATE TABLE ql3_ai.model_invocation_completions (
     currency text,
     recovered boolean NOT NULL,
     command_digest text NOT NULL,
-    record jsonb NOT NULL CHECK (pg_column_size(record) <= 196608),
+    record ql3.bounded_json NOT NULL,
     completion_digest text NOT NULL,
     mutation_id text NOT NULL,
     event_id text NOT NULL,
@@ -114,12 +114,12 @@ CREATE TABLE ql3_ai.model_invocation_resolutions (
     run_id uuid NOT NULL,
     step_run_id uuid NOT NULL,
     decision text NOT NULL CHECK (decision IN ('retry', 'fail', 'cancel')),
-    user_id text NOT NULL CHECK (char_length(user_id) BETWEEN 1 AND 128),
+    user_id ql3.identifier NOT NULL,
     -- The login that resolved (session_user), beside the user it resolved as (D47).
     resolved_by name NOT NULL,
     reason text,
     command_digest text NOT NULL,
-    record jsonb NOT NULL CHECK (pg_column_size(record) <= 196608),
+    record ql3.bounded_json NOT NULL,
     resolution_digest text NOT NULL,
     mutation_id text NOT NULL,
     event_id text NOT NULL,
@@ -136,7 +136,7 @@ COMMENT ON TABLE ql3_ai.model_invocation_resolutions IS
 -- an operator that could map identities could map itself to anyone.
 CREATE TABLE ql3_ai.resolver_identities (
     role_name name NOT NULL,
-    user_id text NOT NULL CHECK (char_length(user_id) BETWEEN 1 AND 128),
+    user_id ql3.identifier NOT NULL,
     granted_at timestamptz NOT NULL DEFAULT ql3._now(),
     PRIMARY KEY (role_name, user_id)
 );
@@ -625,14 +625,19 @@ BEGIN
         policy_revision := (policy ->> 'revision_id')::uuid;
     END IF;
 
-    PERFORM ql3._require_project(command ->> 'project_id');
+    IF NOT ql3._may_act(command ->> 'project_id') THEN
+
+        PERFORM ql3._require_project(command ->> 'project_id');  -- raises 42501
+
+    END IF;
     -- With isolation on, another project's run is as absent as a missing one before anything
     -- of it is locked or compared, so that no answer tells its steps' state (D47).
-    IF EXISTS (SELECT 1 FROM ql3.project_grants)
-       AND NOT EXISTS (SELECT 1 FROM ql3.runs AS r
+    IF pg_catalog.pg_sequence_last_value('ql3.project_grants_used'::regclass) IS NOT NULL THEN
+        IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r
                        WHERE r.run_id = admit_invocation.run_id AND ql3._may_act(r.project_id)) THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
+        END IF;
     END IF;
     -- The step lock comes first: it orders this admission against every other
     -- transition of the step, including a concurrent admission of the same command.

@@ -175,3 +175,6 @@ def test_the_wheel_without_extras_runs_the_edge_demo(tmp_path: Path) -> None:
     missing = run([python, "-c", "from ql3 import PgStore"], cwd=tmp_path, ok=False)
     assert missing.returncode == 1
     assert "pip install 'ql3[postgres]'" in missing.stderr
+    command = run([tmp_path / "venv" / "bin" / "ql3", "ready"], cwd=tmp_path, ok=False)
+    assert command.returncode == 2 and "Traceback" not in command.stderr
+    assert "pip install 'ql3[postgres]'" in command.stderr

@@ -25,7 +25,7 @@ SELECT is(
     'create_run returns the run_id it was given'
 );
 SELECT results_eq(
-    $$SELECT project_id, trace_id, status, version, event_seq FROM ql3.runs
+    $$SELECT project_id::text, trace_id::text, status, version, event_seq FROM ql3.runs
       WHERE run_id = 'aaaaaaaa-0000-0000-0000-000000000001'$$,
     $$VALUES ('proj', 'trace-1', 'open', 1::bigint, 0::bigint)$$,
     'a new run is open at version 1 with no events'
@@ -65,7 +65,7 @@ SELECT is(
     'add_step_run returns the step_run_id it was given'
 );
 SELECT results_eq(
-    $$SELECT run_id, kind, status, version, attempt_count, current_invocation_id, output_ref, result_code
+    $$SELECT run_id, kind, status, version, attempt_count, current_invocation_id::text, output_ref, result_code::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     $$VALUES ('aaaaaaaa-0000-0000-0000-000000000001'::uuid, 'model', 'ready', 1::bigint, 0,
               NULL::text, NULL::text, NULL::text)$$,

@@ -66,7 +66,7 @@ SELECT ok(
     'admitted_at is RFC 3339 UTC with six fractional digits'
 );
 SELECT results_eq(
-    $$SELECT status, version, attempt_count, current_invocation_id, output_ref, result_code
+    $$SELECT status, version, attempt_count, current_invocation_id::text, output_ref, result_code::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     $$VALUES ('running', 2::bigint, 1, 'inv-a1', NULL::text, NULL::text)$$,
     'admission moves the step ready -> running, version 2, attempt_count 1'
@@ -92,9 +92,9 @@ SELECT results_eq(
     'admission appends one step mutation with the derived mutation_id and dedupe_key'
 );
 SELECT results_eq(
-    $$SELECT s.invocation_id, s.request_id, s.project_id, s.run_id::text, s.step_run_id::text, s.trace_id,
-             s.attempt, s.provider, s.model, s.request_digest, s.input_bytes, s.command_digest, s.start_digest,
-             s.mutation_id, s.event_id, s.dedupe_key, s.record, s.deadline_at
+    $$SELECT s.invocation_id::text, s.request_id::text, s.project_id::text, s.run_id::text, s.step_run_id::text, s.trace_id::text,
+             s.attempt, s.provider::text, s.model::text, s.request_digest, s.input_bytes, s.command_digest, s.start_digest,
+             s.mutation_id, s.event_id, s.dedupe_key, s.record::jsonb, s.deadline_at
       FROM ql3_ai.model_invocation_starts AS s$$,
     $$SELECT r -> 'start' ->> 'invocation_id', r -> 'start' ->> 'request_id', r -> 'start' ->> 'project_id',
              r -> 'start' ->> 'run_id', r -> 'start' ->> 'step_run_id', r -> 'start' ->> 'trace_id',

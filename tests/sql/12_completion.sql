@@ -61,7 +61,7 @@ SELECT ok(
     'completed_at is RFC 3339 UTC with six fractional digits'
 );
 SELECT results_eq(
-    $$SELECT status, version, attempt_count, current_invocation_id, output_ref, result_code
+    $$SELECT status, version, attempt_count, current_invocation_id::text, output_ref, result_code::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     $$VALUES ('succeeded', 3::bigint, 1, 'inv-c1', 'model-invocation:inv-c1', 'ok')$$,
     'succeeded: the step stores only output_ref model-invocation:<id> and the result code'
@@ -89,8 +89,8 @@ SELECT results_eq(
     'completion appends one step mutation running -> succeeded with the derived identities'
 );
 SELECT results_eq(
-    $$SELECT c.outcome, c.result_code, c.output_bytes, c.output_digest, c.input_tokens, c.output_tokens,
-             c.cost_micros, c.currency, c.recovered, c.record, c.completion_digest, c.mutation_id, c.event_id,
+    $$SELECT c.outcome, c.result_code::text, c.output_bytes, c.output_digest, c.input_tokens, c.output_tokens,
+             c.cost_micros, c.currency, c.recovered, c.record::jsonb, c.completion_digest, c.mutation_id, c.event_id,
              c.dedupe_key
       FROM ql3_ai.model_invocation_completions AS c WHERE c.invocation_id = 'inv-c1'$$,
     $$SELECT 'succeeded', 'ok', 2048::bigint, repeat('c', 64), 100::bigint, 20::bigint, 1500::bigint, 'USD', FALSE,
@@ -100,7 +100,7 @@ SELECT results_eq(
     'the stored completion row agrees with the returned record'
 );
 SELECT results_eq(
-    $$SELECT project_id, run_id, provider, model, input_tokens, output_tokens, cost_micros, currency, outcome,
+    $$SELECT project_id::text, run_id, provider::text, model::text, input_tokens, output_tokens, cost_micros, currency, outcome,
              completion_digest
       FROM ql3_ai.usage_ledger WHERE invocation_id = 'inv-c1'$$,
     $$SELECT 'proj', 'aaaaaaaa-0000-0000-0000-000000000001'::uuid, 'ollama', 'llama3.1:8b', 100::bigint, 20::bigint,
@@ -133,7 +133,7 @@ SELECT is(
     'created', 'failed is created'
 );
 SELECT results_eq(
-    $$SELECT s.status, s.result_code, s.output_ref, u.outcome, u.input_tokens, u.output_tokens, u.cost_micros, u.currency
+    $$SELECT s.status, s.result_code::text, s.output_ref, u.outcome, u.input_tokens, u.output_tokens, u.cost_micros, u.currency
       FROM ql3.step_runs AS s, ql3_ai.usage_ledger AS u
       WHERE s.step_run_id = 'bbbbbbbb-0000-0000-0000-000000000002' AND u.invocation_id = 'inv-c2'$$,
     $$VALUES ('failed', 'provider_error', NULL::text, 'failed', 10::bigint, NULL::bigint, NULL::bigint, NULL::text)$$,
@@ -144,7 +144,7 @@ SELECT is(
     'created', 'timed_out is created'
 );
 SELECT results_eq(
-    $$SELECT status, result_code, (SELECT count(*) FROM ql3_ai.usage_ledger WHERE invocation_id = 'inv-c3')
+    $$SELECT status, result_code::text, (SELECT count(*) FROM ql3_ai.usage_ledger WHERE invocation_id = 'inv-c3')
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000003'$$,
     $$VALUES ('timed_out', 'MODEL_DEADLINE_EXCEEDED', 0::bigint)$$,
     'timed_out without usage: the step is timed_out and no ledger row exists'
@@ -174,7 +174,7 @@ SELECT is(
     'created', 'lost/outcome_unknown is created'
 );
 SELECT results_eq(
-    $$SELECT status, result_code, output_ref, current_invocation_id, version
+    $$SELECT status, result_code::text, output_ref, current_invocation_id::text, version
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000006'$$,
     $$VALUES ('lost', 'outcome_unknown', NULL::text, 'inv-c6', 3::bigint)$$,
     'lost: the step is lost/outcome_unknown and keeps its invocation for the resolution'

@@ -77,7 +77,7 @@ SELECT results_eq(
     'the resolution binds decision, user, reason, the new state and the completion it settles'
 );
 SELECT results_eq(
-    $$SELECT status, version, attempt_count, current_invocation_id, output_ref, result_code
+    $$SELECT status, version, attempt_count, current_invocation_id::text, output_ref, result_code::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     $$VALUES ('ready', 4::bigint, 1, NULL::text, NULL::text, NULL::text)$$,
     'retry: lost -> ready with the old result fields cleared'
@@ -92,7 +92,7 @@ SELECT results_eq(
     'the resolution appends its run event and step mutation with the derived identities'
 );
 SELECT results_eq(
-    $$SELECT v.completion_digest, v.decision, v.user_id, v.reason, v.record, v.resolution_digest, v.mutation_id
+    $$SELECT v.completion_digest, v.decision, v.user_id::text, v.reason, v.record::jsonb, v.resolution_digest, v.mutation_id
       FROM ql3_ai.model_invocation_resolutions AS v WHERE v.invocation_id = 'inv-r1'$$,
     $$SELECT r -> 'resolution' ->> 'completion_digest', 'retry', 'alice', 'provider says it never ran',
              r -> 'resolution', r ->> 'resolution_digest', ql3.mutation_id('inv-r1', 'resolution')
@@ -138,7 +138,7 @@ SELECT ql3_ai.admit_invocation(tests.admission(
 SELECT is((SELECT r ->> 'status' FROM r1b), 'created', 'after retry a new invocation_id is admitted');
 SELECT is((SELECT (r -> 'start' ->> 'attempt')::integer FROM r1b), 2, 'the new start is attempt 2');
 SELECT results_eq(
-    $$SELECT status, version, attempt_count, current_invocation_id
+    $$SELECT status, version, attempt_count, current_invocation_id::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     $$VALUES ('running', 5::bigint, 2, 'inv-r1b')$$,
     'the step runs the new invocation with attempt_count 2'
@@ -148,15 +148,15 @@ SELECT is(
     'the second attempt completes'
 );
 SELECT results_eq(
-    $$SELECT s.record, s.start_digest, c.record, c.completion_digest
+    $$SELECT s.record::jsonb, s.start_digest, c.record::jsonb, c.completion_digest
       FROM ql3_ai.model_invocation_starts AS s
       INNER JOIN ql3_ai.model_invocation_completions AS c ON c.invocation_id = s.invocation_id
       WHERE s.invocation_id = 'inv-r1'$$,
-    $$SELECT start_record, start_digest, completion_record, completion_digest FROM old_receipts$$,
+    $$SELECT start_record::jsonb, start_digest, completion_record::jsonb, completion_digest FROM old_receipts$$,
     'the first attempt''s start and lost completion are unchanged'
 );
 SELECT results_eq(
-    $$SELECT invocation_id, attempt FROM ql3_ai.model_invocation_starts
+    $$SELECT invocation_id::text, attempt FROM ql3_ai.model_invocation_starts
       WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001' ORDER BY attempt$$,
     $$VALUES ('inv-r1', 1), ('inv-r1b', 2)$$,
     'one step holds both attempts, each its own invocation chain'
@@ -173,7 +173,7 @@ SELECT is(
     ql3_ai.resolve_invocation(tests.resolution('inv-r2', 'fail')) ->> 'status', 'created', 'fail is created'
 );
 SELECT results_eq(
-    $$SELECT status, version, current_invocation_id, output_ref, result_code
+    $$SELECT status, version, current_invocation_id::text, output_ref, result_code::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000002'$$,
     $$VALUES ('failed', 4::bigint, 'inv-r2', NULL::text, 'model_outcome_rejected')$$,
     'fail: lost -> failed with result_code model_outcome_rejected'
@@ -182,7 +182,7 @@ SELECT is(
     ql3_ai.resolve_invocation(tests.resolution('inv-r3', 'cancel')) ->> 'status', 'created', 'cancel is created'
 );
 SELECT results_eq(
-    $$SELECT status, version, current_invocation_id, output_ref, result_code
+    $$SELECT status, version, current_invocation_id::text, output_ref, result_code::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000003'$$,
     $$VALUES ('cancelled', 4::bigint, 'inv-r3', NULL::text, 'model_outcome_cancelled')$$,
     'cancel: lost -> cancelled with result_code model_outcome_cancelled'
@@ -314,7 +314,7 @@ SELECT * FROM tests.rejects(
     'Q3V01', 'an expected_step_run_version written 3.0 is QL3_INVALID_ARGUMENT'
 );
 SELECT results_eq(
-    $$SELECT s.status, s.version, s.current_invocation_id, s.result_code,
+    $$SELECT s.status, s.version, s.current_invocation_id::text, s.result_code::text,
              (SELECT count(*) FROM ql3_ai.model_invocation_resolutions AS v WHERE v.invocation_id = 'inv-r8'),
              (SELECT count(*) FROM ql3.run_events AS e WHERE e.event_id = ql3.event_id('inv-r8', 'resolution'))
       FROM ql3.step_runs AS s WHERE s.step_run_id = 'bbbbbbbb-0000-0000-0000-000000000008'$$,

@@ -95,7 +95,7 @@ SELECT is(
     'recover_expired(1, 0) settles the start with the oldest expired deadline and reports it'
 );
 SELECT results_eq(
-    $$SELECT outcome, result_code, recovered, (record ->> 'recovered')::boolean, record -> 'usage', output_bytes,
+    $$SELECT outcome, result_code::text, recovered, (record ->> 'recovered')::boolean, record -> 'usage', output_bytes,
              command_digest, completion_digest
       FROM ql3_ai.model_invocation_completions WHERE invocation_id = 'inv-e1'$$,
     $$SELECT 'lost', 'outcome_unknown', TRUE, TRUE, 'null'::jsonb, NULL::bigint,
@@ -109,7 +109,7 @@ SELECT results_eq(
     'the recovered completion is lost/outcome_unknown, recovered, and digests the lost command it stands for'
 );
 SELECT results_eq(
-    $$SELECT status, version, result_code, current_invocation_id
+    $$SELECT status, version, result_code::text, current_invocation_id::text
       FROM ql3.step_runs WHERE step_run_id = 'bbbbbbbb-0000-0000-0000-000000000001'$$,
     $$VALUES ('lost', 3::bigint, 'outcome_unknown', 'inv-e1')$$,
     'the recovered step is lost/outcome_unknown'

@@ -129,8 +129,8 @@ SELECT is_empty(
 SELECT set_eq(
     $$SELECT c.oid::regclass::text FROM pg_class AS c
       WHERE c.relnamespace IN ('ql3'::regnamespace, 'ql3_ai'::regnamespace) AND c.relkind = 'S'$$,
-    ARRAY['ql3.contract_outbox_seq_seq'],
-    'ql3 and ql3_ai hold exactly one sequence, the outbox''s'
+    ARRAY['ql3.contract_outbox_seq_seq', 'ql3.project_grants_used'],
+    'ql3 and ql3_ai hold exactly two sequences, the outbox''s and the isolation hint (D47)'
 );
 SELECT is_empty(
     $$SELECT c.oid::regclass::text || ': ' || a.grantee::regrole::text || ' ' || a.privilege_type

@@ -477,7 +477,7 @@ SELECT results_eq(
     'nothing reached the temporary tables'
 );
 SELECT results_eq(
-    $$SELECT r.project_id, s.status, st.mutation_id = ql3.mutation_id('inv-shadow', 'admission'),
+    $$SELECT r.project_id::text, s.status, st.mutation_id = ql3.mutation_id('inv-shadow', 'admission'),
              st.admitted_at > '2000-01-01', e.event_id = ql3.event_id('inv-shadow', 'admission')
       FROM ql3.runs AS r
       INNER JOIN ql3.step_runs AS s ON s.run_id = r.run_id

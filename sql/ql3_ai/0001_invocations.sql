@@ -451,6 +451,21 @@ $$;
 COMMENT ON FUNCTION ql3_ai._verify_receipt(text, text, jsonb, text) IS
 'Raises QL3_CONFLICT unless the stored record still hashes to its stored digest.';
 
+-- The QL3_CONFLICT (Q3C01) message for a unique violation while writing a phase's
+-- receipts, naming what was taken. Unreachable while the functions are the only writers
+-- (D46); a raw 23505 would hide which receipt identity it was.
+CREATE FUNCTION ql3_ai._identity_taken(invocation_id text, phase text, taken text) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT pg_catalog.format(
+        'QL3_CONFLICT: a receipt identity of the %s of invocation %s exists already (constraint %s; '
+        'identities %s)', phase, invocation_id, taken,
+        pg_catalog.array_to_string(ql3_ai._identities(invocation_id, phase), ', '))
+$$;
+
+COMMENT ON FUNCTION ql3_ai._identity_taken(text, text, text) IS
+'The QL3_CONFLICT message for a receipt identity of an invocation phase that exists already.';
+
 CREATE FUNCTION ql3_ai.admit_invocation(command jsonb) RETURNS jsonb
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -1188,14 +1203,9 @@ BEGIN
     BEGIN
         RETURN ql3_ai._write_completion(start, step.version, command, command_digest, false);
     EXCEPTION WHEN unique_violation THEN
-        -- Unreachable while the functions are the only writers (D46); a raw 23505 would
-        -- hide which receipt identity was taken.
         GET STACKED DIAGNOSTICS taken = CONSTRAINT_NAME;
         RAISE EXCEPTION USING
-            ERRCODE = 'Q3C01',
-            MESSAGE = format('QL3_CONFLICT: a receipt identity of the completion of invocation %s exists '
-                             'already (constraint %s; identities %s)', invocation_id, taken,
-                             array_to_string(ql3_ai._identities(invocation_id, 'completion'), ', '));
+            ERRCODE = 'Q3C01', MESSAGE = ql3_ai._identity_taken(invocation_id, 'completion', taken);
     END;
 END;
 $$;
@@ -1395,13 +1405,9 @@ BEGIN
         );
         RETURN jsonb_build_object('status', 'created', 'resolution', receipt, 'resolution_digest', resolution_digest);
     EXCEPTION WHEN unique_violation THEN
-        -- Unreachable while the functions are the only writers (D46); see complete_invocation.
         GET STACKED DIAGNOSTICS taken = CONSTRAINT_NAME;
         RAISE EXCEPTION USING
-            ERRCODE = 'Q3C01',
-            MESSAGE = format('QL3_CONFLICT: a receipt identity of the resolution of invocation %s exists '
-                             'already (constraint %s; identities %s)', invocation_id, taken,
-                             array_to_string(ql3_ai._identities(invocation_id, 'resolution'), ', '));
+            ERRCODE = 'Q3C01', MESSAGE = ql3_ai._identity_taken(invocation_id, 'resolution', taken);
     END;
 END;
 $$;
@@ -1423,6 +1429,7 @@ DECLARE
     failed jsonb := '[]'::jsonb;
     failed_state text;
     failed_message text;
+    failed_constraint text;
     -- The grace in seconds (a month as 30 days, a year as 365.25): '1 day' is 86400 s here,
     -- not a calendar day in the session's time zone, which a DST change makes 23 or 25 h (D29).
     grace_seconds numeric := extract(EPOCH FROM p_grace);
@@ -1488,7 +1495,12 @@ BEGIN
                 'completion_digest', result ->> 'completion_digest'
             ));
         EXCEPTION WHEN OTHERS THEN
-            GET STACKED DIAGNOSTICS failed_state = RETURNED_SQLSTATE, failed_message = MESSAGE_TEXT;
+            GET STACKED DIAGNOSTICS failed_state = RETURNED_SQLSTATE, failed_message = MESSAGE_TEXT,
+                                    failed_constraint = CONSTRAINT_NAME;
+            IF failed_state = '23505' THEN  -- as complete_invocation reports it: Q3C01, never 23505
+                failed_state := 'Q3C01';
+                failed_message := ql3_ai._identity_taken(start.invocation_id, 'completion', failed_constraint);
+            END IF;
             RAISE WARNING 'ql3 recovery skipped invocation %: % %', start.invocation_id, failed_state, failed_message;
             failed := failed || jsonb_build_array(jsonb_build_object(
                 'invocation_id', start.invocation_id,

@@ -210,6 +210,7 @@ VALUES
     ('ql3_ai._utc(timestamp with time zone)', '{}', FALSE),
     ('ql3_ai._identities(text,text)', '{}', FALSE),
     ('ql3_ai._verify_receipt(text,text,jsonb,text)', '{}', FALSE),
+    ('ql3_ai._identity_taken(text,text,text)', '{}', FALSE),
     ('ql3_ai._write_completion(ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean)', '{}', FALSE);
 
 SELECT set_eq(

@@ -8,7 +8,7 @@ BEGIN;
 SET LOCAL client_min_messages = warning;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(244);
+SELECT plan(246);
 
 -- Helpers -----------------------------------------------------------------------------------
 
@@ -190,7 +190,7 @@ SELECT is(
                                'failed', jsonb_path_query_array(r, '$.failed[*].invocation_id'),
                                'sqlstates', jsonb_path_query_array(r, '$.failed[*].sqlstate'))
      FROM recovery2),
-    '{"count": 1, "recovered": ["inv-exp4"], "failed": ["inv-exp3"], "sqlstates": ["23505"]}'::jsonb,
+    '{"count": 1, "recovered": ["inv-exp4"], "failed": ["inv-exp3"], "sqlstates": ["Q3C01"]}'::jsonb,
     'recovery skips a start whose identity was squatted (by the superuser), reports it, and settles the rest'
 );
 SELECT results_eq(
@@ -199,6 +199,17 @@ SELECT results_eq(
       ORDER BY step_run_id$$,
     $$VALUES ('bbbbbbbb-0000-0000-0000-000000000015', 'running'), ('bbbbbbbb-0000-0000-0000-000000000016', 'lost')$$,
     'the skipped start''s step is untouched (its subtransaction rolled back); the other is lost'
+);
+RESET ROLE;
+SET ROLE ql3_runtime;
+SELECT throws_like(
+    $$SELECT ql3_ai.complete_invocation(tests.completion('inv-exp3'))$$,
+    'QL3_CONFLICT: a receipt identity of the completion of invocation inv-exp3 exists already%',
+    'completing the start whose identity was squatted is QL3_CONFLICT naming it, never a raw 23505'
+);
+SELECT throws_ok(
+    $$SELECT ql3_ai.complete_invocation(tests.completion('inv-exp3'))$$, 'Q3C01', NULL,
+    'and its SQLSTATE is Q3C01'
 );
 RESET ROLE;
 

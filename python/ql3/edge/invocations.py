@@ -703,7 +703,10 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
         except (errors.Ql3Error, sqlite3.Error) as exc:
             tx.run("ROLLBACK TO SAVEPOINT ql3_recover_one")
             tx.run("RELEASE SAVEPOINT ql3_recover_one")
-            code = (exc.sqlstate if isinstance(exc, errors.Ql3Error) else None) or "XX000"
+            if isinstance(exc, errors.Ql3Error):
+                code = exc.sqlstate or "XX000"
+            else:  # a UNIQUE constraint is a taken identity, as PostgreSQL reports it (D46)
+                code = "Q3C01" if isinstance(exc, sqlite3.IntegrityError) else "XX000"
             failed.append(
                 {
                     "invocation_id": start["invocation_id"],

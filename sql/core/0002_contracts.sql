@@ -156,13 +156,26 @@ CREATE SEQUENCE ql3.project_grants_used;
 COMMENT ON SEQUENCE ql3.project_grants_used IS
 'Drawn by the first project grant: until then ql3._may_act need not read ql3.project_grants.';
 
+-- Whether session_user is a member of a role named in a grant: SQL without a SET clause,
+-- inlined into the queries that call it. A role dropped after its grant matches nobody
+-- (to_regrole gives NULL) instead of making pg_has_role fail every call.
+CREATE FUNCTION ql3._session_is_member(p_role_name name) RETURNS boolean
+LANGUAGE sql STABLE
+AS $$
+    SELECT pg_catalog.pg_has_role(
+        session_user, pg_catalog.to_regrole(pg_catalog.quote_ident(p_role_name))::oid, 'MEMBER')
+$$;
+
+COMMENT ON FUNCTION ql3._session_is_member(name) IS
+'True when session_user is a member of the role (false for a role that no longer exists).';
+
 -- PL/pgSQL, so that its queries are planned once per session: inlined as SQL, with the
 -- project as a parameter, the caller's statement was planned again on every call, and
 -- that cost a third of the pairs' and activations' throughput (D47). The common case (no
--- grant was ever made) is settled by a sequence's last_value, with no query at all.
--- A role dropped after its grant matches nobody (to_regrole gives NULL) instead of making
--- pg_has_role fail every call. No SET clause (it runs inside the writers' pinned path);
--- every name is qualified.
+-- grant was ever made) is settled by a sequence's last_value, with no query at all. No SET
+-- clause (it runs inside the writers' pinned path); every name is qualified. With a NULL
+-- project it asks for every project: true while isolation is off, or for a session with
+-- an every-project grant.
 CREATE FUNCTION ql3._may_act(p_project_id text) RETURNS boolean
 LANGUAGE plpgsql STABLE
 AS $$
@@ -176,9 +189,7 @@ BEGIN
     RETURN EXISTS (
         SELECT 1
         FROM ql3.project_grants AS g
-        WHERE (g.project_id = p_project_id OR g.project_id IS NULL)
-          AND pg_catalog.pg_has_role(
-              session_user, pg_catalog.to_regrole(pg_catalog.quote_ident(g.role_name))::oid, 'MEMBER')
+        WHERE (g.project_id = p_project_id OR g.project_id IS NULL) AND ql3._session_is_member(g.role_name)
     );
 END;
 $$;
@@ -209,19 +220,12 @@ AS $$
 DECLARE
     granted text [];
 BEGIN
-    IF pg_catalog.pg_sequence_last_value('ql3.project_grants_used'::regclass) IS NULL THEN
+    IF ql3._may_act(NULL) THEN  -- isolation off, or a grant of every project
         RETURN NULL;
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM ql3.project_grants) THEN
-        RETURN NULL;
-    END IF;
-    SELECT array_agg(DISTINCT coalesce(g.project_id, '')) INTO granted
+    SELECT array_agg(DISTINCT g.project_id) INTO granted
     FROM ql3.project_grants AS g
-    WHERE pg_catalog.pg_has_role(
-        session_user, pg_catalog.to_regrole(pg_catalog.quote_ident(g.role_name))::oid, 'MEMBER');
-    IF '' = any(granted) THEN  -- a grant of every project (stored as NULL; '' is no project id)
-        RETURN NULL;
-    END IF;
+    WHERE ql3._session_is_member(g.role_name);
     RETURN coalesce(granted, '{}');
 END;
 $$;
@@ -244,12 +248,8 @@ BEGIN
         PERFORM ql3._check_identifier('project_id', p_project_id);
     END IF;
     -- Only a session that may act on the project (on every project, for NULL) may hand it on.
-    IF (p_project_id IS NULL AND ql3.visible_projects() IS NOT NULL)
-       OR (p_project_id IS NOT NULL AND NOT ql3._may_act(p_project_id)) THEN
-        RAISE EXCEPTION USING
-            ERRCODE = '42501',
-            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not grant %s', session_user,
-                             coalesce('project ' || quote_literal(p_project_id), 'every project'));
+    IF NOT ql3._may_act(p_project_id) THEN
+        PERFORM ql3._refuse_project(p_project_id, 'grant');
     END IF;
     INSERT INTO ql3.project_grants (role_name, project_id, granted_by)
     VALUES (p_role, p_project_id, session_user)
@@ -270,12 +270,8 @@ SECURITY DEFINER
 SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 BEGIN
-    IF (p_project_id IS NULL AND ql3.visible_projects() IS NOT NULL)
-       OR (p_project_id IS NOT NULL AND NOT ql3._may_act(p_project_id)) THEN
-        RAISE EXCEPTION USING
-            ERRCODE = '42501',
-            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not revoke %s', session_user,
-                             coalesce('project ' || quote_literal(p_project_id), 'every project'));
+    IF NOT ql3._may_act(p_project_id) THEN
+        PERFORM ql3._refuse_project(p_project_id, 'revoke');
     END IF;
     -- Serialises revocations, so that two of them cannot each leave the other's last grant.
     LOCK TABLE ql3.project_grants IN SHARE ROW EXCLUSIVE MODE;
@@ -430,26 +426,41 @@ $$;
 
 COMMENT ON FUNCTION ql3._check_identifier(text, text) IS 'Raises unless value is 1..128 characters.';
 
--- No SET clause: it runs in its callers' pinned search_path, the one ql3._may_act's plans
--- were made in. PostgreSQL plans a cached statement again when the search_path differs
--- from the one it was planned in, and a SET clause here made _may_act alternate between
--- two paths within one admit+complete pair (D47).
-CREATE FUNCTION ql3._require_project(p_project_id text) RETURNS void
+-- The refusal when ql3._may_act says no: callers test _may_act themselves, as a simple
+-- expression, and call this only to raise. No SET clause (PostgreSQL re-plans a cached
+-- statement whose search_path differs from its planning one, D47).
+CREATE FUNCTION ql3._refuse_project(p_project_id text, p_verb text) RETURNS void
 LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    IF NOT ql3._may_act(p_project_id) THEN
-        RAISE EXCEPTION USING
-            ERRCODE = '42501',
-            MESSAGE = format('QL3_PERMISSION_DENIED: %s may not act on project %s', session_user,
-                             coalesce(quote_literal(p_project_id), 'NULL')),
-            HINT = 'an operator grants projects with ql3.grant_project (D47)';
-    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = '42501',
+        MESSAGE = format('QL3_PERMISSION_DENIED: %s may not %s %s', session_user, p_verb,
+                         coalesce('project ' || quote_literal(p_project_id), 'every project')),
+        HINT = 'an operator grants projects with ql3.grant_project (D47)';
 END;
 $$;
 
-COMMENT ON FUNCTION ql3._require_project(text) IS
-'Raises QL3_PERMISSION_DENIED (42501) unless the session may act on the project (D47).';
+COMMENT ON FUNCTION ql3._refuse_project(text, text) IS
+'Raises QL3_PERMISSION_DENIED (42501): the session may not act on (grant, revoke) the project (D47).';
+
+-- The O(1) size refusal of D46, for what is over 8 x 24576 bytes of jsonb: a jsonb value
+-- is never more than 6 times the bytes of its canonical text (a number in an array: 12
+-- bytes of jsonb, 2 of JCS), so it cannot fit, and is refused before anything walks it.
+-- Callers test pg_column_size themselves (a simple expression) and call this to raise.
+CREATE FUNCTION ql3._refuse_too_large(p_what text, p_value jsonb) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = 'Q3V02',
+        MESSAGE = format('QL3_RECORD_TOO_LARGE: %s is %s bytes of jsonb, more than anything of at most '
+                         '24576 bytes of canonical JSON', p_what, pg_column_size(p_value));
+END;
+$$;
+
+COMMENT ON FUNCTION ql3._refuse_too_large(text, jsonb) IS
+'Raises QL3_RECORD_TOO_LARGE for a jsonb input over 196608 bytes, before it is canonicalised (D46).';
 
 CREATE FUNCTION ql3._check_family(family text) RETURNS void
 LANGUAGE plpgsql STABLE
@@ -510,7 +521,7 @@ DECLARE
 BEGIN
     PERFORM ql3._check_identifier('project_id', p_project_id);
     IF NOT ql3._may_act(p_project_id) THEN
-        PERFORM ql3._require_project(p_project_id);  -- raises 42501
+        PERFORM ql3._refuse_project(p_project_id, 'act on');
     END IF;
     PERFORM ql3._check_family(p_contract_family);
     PERFORM ql3._check_identifier('contract_id', p_contract_id);
@@ -521,15 +532,8 @@ BEGIN
             MESSAGE = format('QL3_INVALID_ARGUMENT: body must be a JSON object, not %s',
                              coalesce(jsonb_typeof(p_body), 'NULL'));
     END IF;
-    -- The input's size first, in O(1): a jsonb value is never more than 6 times the
-    -- bytes of its canonical text (a number in an array: 12 bytes of jsonb, 2 of JCS),
-    -- so a body over 8 x 24576 bytes of jsonb cannot fit, and is refused before the
-    -- canonicalisation walks it (D46).
-    IF pg_column_size(p_body) > 196608 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3V02',
-            MESSAGE = format('QL3_RECORD_TOO_LARGE: body is %s bytes of jsonb, more than any body of at '
-                             'most 24576 bytes of canonical JSON', pg_column_size(p_body));
+    IF pg_column_size(p_body) > 196608 THEN  -- the input's size first, in O(1) (D46)
+        PERFORM ql3._refuse_too_large('body', p_body);
     END IF;
     canonical := ql3.jcs(p_body);  -- once: its size and its digest
     IF octet_length(canonical) > 24576 THEN
@@ -608,7 +612,7 @@ DECLARE
     event ql3.contract_outbox;
 BEGIN
     IF NOT ql3._may_act(p_project_id) THEN
-        PERFORM ql3._require_project(p_project_id);  -- raises 42501
+        PERFORM ql3._refuse_project(p_project_id, 'act on');
     END IF;
     -- Fast path: a revision of exactly this contract proves project, family and contract
     -- valid (its row passed the same checks). Anything else takes the slow path, whose

@@ -17,12 +17,11 @@ CREATE TABLE ql3.runs (
     project_id ql3.identifier NOT NULL,
     trace_id ql3.identifier NOT NULL,
     -- A run is 'open' for its whole life in this version; outcomes live on its steps.
-    status text NOT NULL DEFAULT 'open',
+    status text NOT NULL DEFAULT 'open' CHECK (status = 'open'),
     version bigint NOT NULL DEFAULT 1,
     event_seq bigint NOT NULL DEFAULT 0,
     created_at timestamptz NOT NULL DEFAULT now(),
-    updated_at timestamptz NOT NULL DEFAULT now(),
-    CHECK (status = 'open')
+    updated_at timestamptz NOT NULL DEFAULT now()
 );
 
 COMMENT ON TABLE ql3.runs IS
@@ -154,7 +153,7 @@ BEGIN
     PERFORM ql3._check_identifier('project_id', p_project_id);
     PERFORM ql3._check_identifier('trace_id', p_trace_id);
     IF NOT ql3._may_act(p_project_id) THEN
-        PERFORM ql3._require_project(p_project_id);  -- raises 42501
+        PERFORM ql3._refuse_project(p_project_id, 'act on');
     END IF;
     INSERT INTO ql3.runs (run_id, project_id, trace_id)
     VALUES (new_id, p_project_id, p_trace_id)

@@ -506,12 +506,8 @@ DECLARE
     policy_text text := 'null';
     common_shape boolean;
 BEGIN
-    -- The input's size first, in O(1), before any walk of it (see put_revision, D46).
-    IF pg_column_size(command) > 196608 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3V02',
-            MESSAGE = format('QL3_RECORD_TOO_LARGE: admission command is %s bytes of jsonb, more than any command '
-                             'of at most 24576 bytes of canonical JSON', pg_column_size(command));
+    IF pg_column_size(command) > 196608 THEN  -- the input's size first, in O(1) (D46)
+        PERFORM ql3._refuse_too_large('admission command', command);
     END IF;
     -- The common shape: exactly the v1 fields, strings where strings belong, integers
     -- written as plain digits up to 10^15 (within 2^53-1 and canonical as they are), policy
@@ -641,9 +637,7 @@ BEGIN
     END IF;
 
     IF NOT ql3._may_act(command ->> 'project_id') THEN
-
-        PERFORM ql3._require_project(command ->> 'project_id');  -- raises 42501
-
+        PERFORM ql3._refuse_project(command ->> 'project_id', 'act on');
     END IF;
     -- With isolation on, another project's run is as absent as a missing one before anything
     -- of it is locked or compared, so that no answer tells its steps' state (D47).
@@ -1029,12 +1023,8 @@ DECLARE
     common_shape boolean;
     taken text;
 BEGIN
-    -- The input's size first, in O(1), before any walk of it (see put_revision, D46).
-    IF pg_column_size(command) > 196608 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3V02',
-            MESSAGE = format('QL3_RECORD_TOO_LARGE: completion command is %s bytes of jsonb, more than any command '
-                             'of at most 24576 bytes of canonical JSON', pg_column_size(command));
+    IF pg_column_size(command) > 196608 THEN  -- the input's size first, in O(1) (D46)
+        PERFORM ql3._refuse_too_large('completion command', command);
     END IF;
     -- As in admit_invocation: the common shape (exactly the v1 fields and kinds, integers
     -- as plain digits up to 10^15) gets its canonical text written out; anything else
@@ -1239,12 +1229,8 @@ DECLARE
     resolution_digest text;
     taken text;
 BEGIN
-    -- The input's size first, in O(1), before any walk of it (see put_revision, D46).
-    IF pg_column_size(command) > 196608 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3V02',
-            MESSAGE = format('QL3_RECORD_TOO_LARGE: resolution command is %s bytes of jsonb, more than any command '
-                             'of at most 24576 bytes of canonical JSON', pg_column_size(command));
+    IF pg_column_size(command) > 196608 THEN  -- the input's size first, in O(1) (D46)
+        PERFORM ql3._refuse_too_large('resolution command', command);
     END IF;
     PERFORM ql3_ai._check_shape(
         'resolution command', command, 'ql3/model-invocation-resolution-command@v1',
@@ -1279,8 +1265,7 @@ BEGIN
        AND command ->> 'user_id' IS DISTINCT FROM session_user::text
        AND NOT EXISTS (
            SELECT 1 FROM ql3_ai.resolver_identities AS i
-           INNER JOIN pg_catalog.pg_roles AS r ON r.rolname = i.role_name
-           WHERE i.user_id = command ->> 'user_id' AND pg_catalog.pg_has_role(session_user, r.oid, 'MEMBER')
+           WHERE i.user_id = command ->> 'user_id' AND ql3._session_is_member(i.role_name)
        ) THEN
         RAISE EXCEPTION USING
             ERRCODE = '42501',

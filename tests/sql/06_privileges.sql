@@ -9,7 +9,7 @@
 -- (runs, step_runs, ...) get their own privilege file; the schema-wide checks at the end
 -- cover them too, and 15b_privilege_catalog.sql holds the exact lists of both schemas.
 BEGIN;
-SELECT plan(328);
+SELECT plan(338);
 SET LOCAL client_min_messages = warning;
 
 \ir lib/privilege_helpers.sql
@@ -143,7 +143,9 @@ FROM (VALUES
     (32, 'grant_project', '{name,text}', '{ql3_operator}'),
     (33, 'revoke_project', '{name,text}', '{ql3_operator}'),
     (34, '_may_act', '{text}', '{}'),
-    (35, '_require_project', '{text}', '{}')
+    (35, '_refuse_project', '{text,text}', '{}'),
+    (36, '_session_is_member', '{name}', '{}'),
+    (37, '_refuse_too_large', '{text,jsonb}', '{}')
 ) AS f (ord, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')

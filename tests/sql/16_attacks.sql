@@ -12,35 +12,6 @@ SELECT plan(246);
 
 -- Helpers -----------------------------------------------------------------------------------
 
--- Everything any function can write, read as the test superuser (SECURITY DEFINER), so that
--- a role that may read none of it (the relay) is checked too.
-CREATE FUNCTION tests.state() RETURNS text
-LANGUAGE sql STABLE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT tests.footprint() || format(
-        ' revisions=%s revocations=%s outbox=%s/%s/%s pointers=%s',
-        (SELECT count(*) FROM ql3.contract_revisions), (SELECT count(*) FROM ql3.revision_revocations),
-        (SELECT count(*) FROM ql3.contract_outbox), (SELECT count(o.delivered_at) FROM ql3.contract_outbox AS o),
-        (SELECT sum(o.relay_attempts) FROM ql3.contract_outbox AS o),
-        (SELECT string_agg(a.project_id || ':' || a.contract_id || '=' || coalesce(a.active_revision_id::text, '-')
-                           || '@' || a.pointer_version, ',' ORDER BY a.project_id, a.contract_id)
-         FROM ql3.active_revisions AS a)
-    );
-$$;
-
--- Two tests: the statement fails with p_errcode, and the state is unchanged.
-CREATE FUNCTION tests.refused(p_sql text, p_errcode text, p_description text) RETURNS SETOF text
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    before text := tests.state();
-BEGIN
-    RETURN NEXT throws_ok(p_sql, p_errcode, NULL, p_description);
-    RETURN NEXT is(tests.state(), before, p_description || ': nothing written');
-END;
-$$;
-
 -- The SQLSTATE a statement fails with ('00000' when it succeeds); its effects are always
 -- undone (the subtransaction is rolled back either way).
 CREATE FUNCTION tests.sqlstate_of(p_sql text) RETURNS text
@@ -143,13 +114,13 @@ CROSS JOIN (VALUES
 GRANT SELECT ON squats TO PUBLIC;  -- noqa: CP02
 
 SET ROLE ql3_runtime;
-SELECT tests.refused(s.statement, '42501', 'the runtime cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
+SELECT tests.rejects(s.statement, '42501', 'the runtime cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
 SET ROLE ql3_operator;
-SELECT tests.refused(s.statement, '42501', 'the operator cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
+SELECT tests.rejects(s.statement, '42501', 'the operator cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
 SET ROLE ql3_reader;
-SELECT tests.refused(s.statement, '42501', 'the reader cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
+SELECT tests.rejects(s.statement, '42501', 'the reader cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
 SET ROLE ql3_relay;
-SELECT tests.refused(s.statement, '42501', 'the relay cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
+SELECT tests.rejects(s.statement, '42501', 'the relay cannot ' || s.description) FROM squats AS s ORDER BY s.ord;
 
 SET ROLE ql3_runtime;
 SELECT is(
@@ -268,13 +239,13 @@ VALUES
 GRANT SELECT ON forgeries TO PUBLIC;  -- noqa: CP02
 
 SET ROLE ql3_runtime;
-SELECT tests.refused(f.statement, '42501', 'the runtime cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
+SELECT tests.rejects(f.statement, '42501', 'the runtime cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
 SET ROLE ql3_operator;
-SELECT tests.refused(f.statement, '42501', 'the operator cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
+SELECT tests.rejects(f.statement, '42501', 'the operator cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
 SET ROLE ql3_reader;
-SELECT tests.refused(f.statement, '42501', 'the reader cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
+SELECT tests.rejects(f.statement, '42501', 'the reader cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
 SET ROLE ql3_relay;
-SELECT tests.refused(f.statement, '42501', 'the relay cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
+SELECT tests.rejects(f.statement, '42501', 'the relay cannot ' || f.description) FROM forgeries AS f ORDER BY f.ord;
 RESET ROLE;
 
 -- (c) Denial of service by locks -------------------------------------------------------------
@@ -370,13 +341,13 @@ VALUES
 GRANT SELECT ON bypasses TO PUBLIC;  -- noqa: CP02
 
 SET ROLE ql3_operator;
-SELECT tests.refused(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_operator' ORDER BY b.ord;
+SELECT tests.rejects(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_operator' ORDER BY b.ord;
 SET ROLE ql3_runtime;
-SELECT tests.refused(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_runtime' ORDER BY b.ord;
+SELECT tests.rejects(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_runtime' ORDER BY b.ord;
 SET ROLE ql3_reader;
-SELECT tests.refused(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_reader' ORDER BY b.ord;
+SELECT tests.rejects(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_reader' ORDER BY b.ord;
 SET ROLE ql3_relay;
-SELECT tests.refused(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_relay' ORDER BY b.ord;
+SELECT tests.rejects(b.statement, '42501', b.description) FROM bypasses AS b WHERE b.role = 'ql3_relay' ORDER BY b.ord;
 RESET ROLE;
 
 -- (e) Huge inputs ----------------------------------------------------------------------------
@@ -384,7 +355,7 @@ RESET ROLE;
 -- generous bounds (a 2-core machine, a loaded CI), not benchmarks.
 
 SET ROLE ql3_operator;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.put_revision('proj', 'policy_routing', 'c1', jsonb_build_object('s', repeat('x', 5242880)), 'op')$$,
     'Q3V02', 'put_revision refuses a body holding a 5 MB string'
 );
@@ -395,34 +366,34 @@ SELECT cmp_ok(
     '<', 100::numeric,
     'and refuses it within 100 ms (a bound, not a benchmark)'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.put_revision('proj', 'policy_routing', 'c1',
                               jsonb_build_object('a', (SELECT jsonb_agg(g) FROM generate_series(1, 300000) AS g)), 'op')$$,
     'Q3V02', 'put_revision refuses a body holding a 300,000-element array'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('inv-lost', 'retry') || jsonb_build_object('pad', repeat('x', 300000)))$$,
     'Q3V02', 'resolve_invocation refuses a huge command'
 );
 -- A body that compresses well, read from a table, is measured compressed; it is refused all
 -- the same, by its canonical size.
 CREATE TEMP TABLE compressible AS SELECT jsonb_build_object('s', repeat('x', 5242880)) AS body;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.put_revision('proj', 'policy_routing', 'c1', c.body, 'op') FROM compressible AS c$$,
     'Q3V02', 'put_revision refuses a 5 MB body stored compressed'
 );
 SET ROLE ql3_runtime;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.admit_invocation(tests.admission(
           'inv-huge', 'aaaaaaaa-0000-0000-0000-000000000016', 'bbbbbbbb-0000-0000-0000-000000000018', 1)
           || jsonb_build_object('pad', repeat('x', 300000)))$$,
     'Q3V02', 'admit_invocation refuses a huge command'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.complete_invocation(tests.completion('inv-run2') || jsonb_build_object('pad', repeat('x', 300000)))$$,
     'Q3V02', 'complete_invocation refuses a huge command'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.admit_invocation(jsonb_set(
           tests.admission('inv-huge', 'aaaaaaaa-0000-0000-0000-000000000016', 'bbbbbbbb-0000-0000-0000-000000000018', 1),
           '{request_id}', (SELECT jsonb_agg(g) FROM generate_series(1, 300000) AS g)))$$,

@@ -37,40 +37,6 @@ GRANT SELECT ON fx TO PUBLIC;  -- noqa: CP02
 CREATE FUNCTION tests.fx(p_key text) RETURNS text
 LANGUAGE sql STABLE AS $$ SELECT x.value FROM fx AS x WHERE x.key = p_key $$;
 
--- Everything any function can write, the grants included, read as the test superuser
--- (SECURITY DEFINER: row-level security does not apply to it), whoever calls it.
-CREATE FUNCTION tests.state() RETURNS text
-LANGUAGE sql STABLE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT tests.footprint() || format(
-        ' revisions=%s revocations=%s outbox=%s pointers=%s grants=%s identities=%s',
-        (SELECT count(*) FROM ql3.contract_revisions), (SELECT count(*) FROM ql3.revision_revocations),
-        (SELECT count(*) FROM ql3.contract_outbox),
-        (SELECT string_agg(a.project_id || ':' || a.contract_id || '=' || coalesce(a.active_revision_id::text, '-')
-                           || '@' || a.pointer_version, ',' ORDER BY a.project_id, a.contract_id)
-         FROM ql3.active_revisions AS a),
-        (SELECT string_agg(g.role_name || ':' || coalesce(g.project_id, '*'), ',' ORDER BY g.role_name, g.project_id)
-         FROM ql3.project_grants AS g),
-        (SELECT count(*) FROM ql3_ai.resolver_identities)
-    );
-$$;
-
--- Two tests: the statement fails with p_errcode (and exactly p_message, when given), and
--- nothing was written.
-CREATE FUNCTION tests.refused(
-    p_sql text, p_errcode text, p_description text, p_message text DEFAULT NULL
-) RETURNS SETOF text
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    before text := tests.state();
-BEGIN
-    RETURN NEXT throws_ok(p_sql, p_errcode, p_message, p_description);
-    RETURN NEXT is(tests.state(), before, p_description || ': nothing written');
-END;
-$$;
-
 -- Who this session is and what it may act on.
 CREATE FUNCTION tests.whoami() RETURNS text
 LANGUAGE sql STABLE AS $$
@@ -293,7 +259,7 @@ SELECT is(tests.whoami(), 'tap17_rd_b: visible={} a=false b=false', 'isolation i
 SELECT is_empty($$SELECT * FROM tests.rows_by_project()$$, 'and reads no row of any table');
 RESET SESSION AUTHORIZATION;
 SET SESSION AUTHORIZATION tap17_op_a;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.grant_project('tap17_op_a', 'tap17-a')$$, '42501',
     'an operator without a grant cannot grant itself a project'
 );
@@ -314,26 +280,26 @@ RESET SESSION AUTHORIZATION;
 SET SESSION AUTHORIZATION tap17_op_a;
 SELECT is(ql3.grant_project('tap17_team_a', 'tap17-a'), TRUE, 'the operator of A grants A to a group role');
 SELECT is(ql3.grant_project('tap17_rt_a', 'tap17-a'), FALSE, 'a grant that exists is not new');
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.grant_project('tap17_op_a', 'tap17-b')$$, '42501', 'the operator of A cannot grant project B',
     'QL3_PERMISSION_DENIED: tap17_op_a may not grant project ''tap17-b'''
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.grant_project('tap17_op_a', NULL)$$, '42501', 'the operator of A cannot grant every project',
     'QL3_PERMISSION_DENIED: tap17_op_a may not grant every project'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.revoke_project('tap17_rt_b', 'tap17-b')$$, '42501',
     'the operator of A cannot revoke a grant of project B'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.revoke_project('tap17_op_all', NULL)$$, '42501',
     'the operator of A cannot revoke a grant of every project'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.grant_project('tap17_nobody', 'tap17-a')$$, 'Q3V01', 'nobody grants a project to a role that does not exist'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$INSERT INTO ql3.project_grants (role_name, project_id, granted_by) VALUES ('tap17_op_a', NULL, 'tap17_op_a')$$,
     '42501', 'the operator of A cannot grant itself every project by INSERT'
 );
@@ -361,11 +327,11 @@ RESET SESSION AUTHORIZATION;
 -- 3. The runtime of A ----------------------------------------------------------------------------
 
 SET SESSION AUTHORIZATION tap17_rt_a;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.create_run('tap17-b', 'trace-x')$$, '42501', 'the runtime of A cannot create a run in project B',
     'QL3_PERMISSION_DENIED: tap17_rt_a may not act on project ''tap17-b'''
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.create_run('tap17-a', 'trace-1', 'aaaaaaaa-0017-0000-0000-00000000000b')$$, 'Q3C01',
     'the runtime of A cannot take the run_id of a run of B, and is not told its project',
     'QL3_CONFLICT: run aaaaaaaa-0017-0000-0000-00000000000b exists in another project'
@@ -374,7 +340,7 @@ SELECT lives_ok(
     $$SELECT ql3.create_run('tap17-a', 'trace-2', 'aaaaaaaa-0017-0000-0000-0000000000a2')$$,
     'the runtime of A creates a run in A'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.add_step_run('aaaaaaaa-0017-0000-0000-00000000000b', 'model')$$, 'Q3N01',
     'the runtime of A cannot add a step to a run of B: it does not exist for A',
     'QL3_NOT_FOUND: run aaaaaaaa-0017-0000-0000-00000000000b does not exist'
@@ -383,7 +349,7 @@ SELECT lives_ok(
     $$SELECT ql3.add_step_run('aaaaaaaa-0017-0000-0000-0000000000a2', 'model', 'bbbbbbbb-0017-000a-0000-0000000000a2')$$,
     'the runtime of A adds a step to its run'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.admit_invocation(tests.admission(
           'tap17-x-1', 'aaaaaaaa-0017-0000-0000-00000000000b', 'bbbbbbbb-0017-000b-0000-0000000000ff', 1,
           p_project_id => 'tap17-b'))$$,
@@ -392,7 +358,7 @@ SELECT tests.refused(
 );
 -- A run of B named under project A is as absent as a missing one, whatever its steps' state
 -- (ready at the expected version, ready at another, running): no answer tells it.
-SELECT tests.refused(
+SELECT tests.rejects(
     format($$SELECT ql3_ai.admit_invocation(tests.admission('tap17-x-2', %L, %L, %s, p_project_id => 'tap17-a'))$$,
            tests.run('b'), tests.step('b', c.step), c.version),
     'Q3N01', format('the runtime of A cannot admit under project A in a run of B (%s): it does not exist for A', c.what),
@@ -409,7 +375,7 @@ SELECT is(
     'created',
     'the runtime of A admits in its run'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.complete_invocation(tests.completion('tap17-b-run'))$$, 'Q3N01',
     'the runtime of A cannot complete an invocation of B: it was never admitted for A',
     'QL3_NOT_FOUND: invocation tap17-b-run was never admitted'
@@ -437,7 +403,7 @@ SET SESSION AUTHORIZATION tap17_rt_a2;
 SELECT lives_ok(
     $$SELECT ql3.create_run('tap17-a', 'trace-3')$$, 'a member of a group role granted A creates a run in A'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.create_run('tap17-b', 'trace-3')$$, '42501', 'but not in B'
 );
 RESET SESSION AUTHORIZATION;
@@ -445,7 +411,7 @@ RESET SESSION AUTHORIZATION;
 -- 4. The operator of A ---------------------------------------------------------------------------
 
 SET SESSION AUTHORIZATION tap17_op_a;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.put_revision('tap17-b', 'policy_routing', 'c1', '{"v": 9}', 'op-a')$$, '42501',
     'the operator of A cannot put a revision in B',
     'QL3_PERMISSION_DENIED: tap17_op_a may not act on project ''tap17-b'''
@@ -453,12 +419,12 @@ SELECT tests.refused(
 SELECT lives_ok(
     $$SELECT ql3.put_revision('tap17-a', 'policy_routing', 'c1', '{"v": 9}', 'op-a')$$, 'it puts one in A'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     format($$SELECT ql3.activate_revision('tap17-b', 'policy_routing', 'c1', %L, 'op-a')$$, tests.fx('b_r2')),
     '42501', 'the operator of A cannot activate a revision of B',
     'QL3_PERMISSION_DENIED: tap17_op_a may not act on project ''tap17-b'''
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     format($$SELECT ql3.activate_revision('tap17-a', 'policy_routing', 'c1', %L, 'op-a')$$, tests.fx('b_r2')),
     'Q3N01', 'nor point a contract of A at a revision of B: it does not exist for A',
     format('QL3_NOT_FOUND: revision %s does not exist', tests.fx('b_r2'))
@@ -468,7 +434,7 @@ SELECT is(
     1::bigint,
     'it activates a revision of A'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     format($$SELECT ql3.revoke_revision(%L, 'op-a', 'mine now')$$, tests.fx('b_r1')),
     'Q3N01', 'the operator of A cannot revoke the active revision of B: it does not exist for A',
     format('QL3_NOT_FOUND: revision %s does not exist', tests.fx('b_r1'))
@@ -477,7 +443,7 @@ SELECT is(
     (ql3.revoke_revision(tests.fx('a_r1')::uuid, 'op-a', 'replaced')).event_type, 'revision_revoked',
     'it revokes a revision of A'
 );
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('tap17-b-lost1', 'fail', 'anyone'))$$, 'Q3N01',
     'the operator of A cannot resolve an invocation of B: it was never admitted for A',
     'QL3_NOT_FOUND: invocation tap17-b-lost1 was never admitted'
@@ -608,7 +574,7 @@ SELECT set_eq(
 );
 RESET SESSION AUTHORIZATION;
 SET SESSION AUTHORIZATION tap17_op_a;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.grant_project('tap17_gone', 'tap17-a')$$, 'Q3V01', 'a dropped role cannot be granted a project again'
 );
 SELECT is(ql3.revoke_project('tap17_gone', 'tap17-a'), TRUE, 'the operator of A revokes the dropped role''s grant');
@@ -620,7 +586,7 @@ RESET SESSION AUTHORIZATION;
 
 GRANT tap17_resolvers TO tap17_op_a;
 SET SESSION AUTHORIZATION tap17_op_a;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$INSERT INTO ql3_ai.resolver_identities (role_name, user_id) VALUES ('tap17_resolvers', 'alice@a')$$,
     '42501', 'an operator cannot map identities (it could map itself to anyone)'
 );
@@ -629,7 +595,7 @@ SET ROLE ql3_owner;
 INSERT INTO ql3_ai.resolver_identities (role_name, user_id) VALUES ('tap17_resolvers', 'alice@a');
 RESET ROLE;
 SET SESSION AUTHORIZATION tap17_op_a;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('tap17-a-lost2', 'retry', 'mallory'))$$, '42501',
     'once an identity is mapped, the operator of A cannot resolve as another user_id',
     'QL3_PERMISSION_DENIED: tap17_op_a may not resolve as ''mallory'''
@@ -644,7 +610,7 @@ SELECT is(
 );
 RESET SESSION AUTHORIZATION;
 SET SESSION AUTHORIZATION tap17_op_b;
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3_ai.resolve_invocation(tests.resolution('tap17-b-lost2', 'retry', 'alice@a'))$$, '42501',
     'the operator of B cannot resolve as a user_id mapped to a role it is not a member of'
 );
@@ -672,7 +638,7 @@ SELECT is(
     'the operator of every project revokes every other grant'
 );
 SELECT is(ql3.revoke_project('tap17_rt_a', 'tap17-a'), FALSE, 'a grant that does not exist is not revoked');
-SELECT tests.refused(
+SELECT tests.rejects(
     $$SELECT ql3.revoke_project('tap17_op_all', NULL)$$, 'Q3C01',
     'the last grant cannot be revoked (that would turn isolation off)'
 );

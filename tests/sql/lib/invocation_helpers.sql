@@ -100,6 +100,28 @@ AS $$
     );
 $$;
 
+-- Everything any function can write, as one text: the invocation footprint plus the
+-- contracts, the outbox and the project mappings. Read as the test superuser (SECURITY
+-- DEFINER: row-level security does not apply), so a role that may read none of it (the
+-- relay) is checked too.
+CREATE FUNCTION tests.state() RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT tests.footprint() || format(
+        ' revisions=%s revocations=%s outbox=%s/%s/%s pointers=%s grants=%s identities=%s',
+        (SELECT count(*) FROM ql3.contract_revisions), (SELECT count(*) FROM ql3.revision_revocations),
+        (SELECT count(*) FROM ql3.contract_outbox), (SELECT count(o.delivered_at) FROM ql3.contract_outbox AS o),
+        (SELECT sum(o.relay_attempts) FROM ql3.contract_outbox AS o),
+        (SELECT string_agg(a.project_id || ':' || a.contract_id || '=' || coalesce(a.active_revision_id::text, '-')
+                           || '@' || a.pointer_version, ',' ORDER BY a.project_id, a.contract_id)
+         FROM ql3.active_revisions AS a),
+        (SELECT string_agg(g.role_name || ':' || coalesce(g.project_id, '*'), ',' ORDER BY g.role_name, g.project_id)
+         FROM ql3.project_grants AS g),
+        (SELECT count(*) FROM ql3_ai.resolver_identities)
+    );
+$$;
+
 -- Two tests: the call fails with p_errcode (and, when given, exactly p_message), and it
 -- left no trace. The message tells apart errors that share a code, such as the QL3_CONFLICT
 -- of a tampered receipt and that of a conflicting command.
@@ -109,10 +131,10 @@ CREATE FUNCTION tests.rejects(
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    before text := tests.footprint();
+    before text := tests.state();
 BEGIN
     RETURN NEXT throws_ok(p_sql, p_errcode, p_message, p_description);
-    RETURN NEXT is(tests.footprint(), before, p_description || ': nothing written');
+    RETURN NEXT is(tests.state(), before, p_description || ': nothing written');
 END;
 $$;
 

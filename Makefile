@@ -75,8 +75,9 @@ $(VENV)/.bench-installed: $(BENCH_LOCK) $(VENV)/.installed
 db-up: setup
 	@$(PY) -m ql3.devservers up .tmp/devservers
 
-db-down: setup
-	@$(PY) -m ql3.devservers down .tmp/devservers
+# Stopping needs no install: without a venv, no development server can be running.
+db-down:
+	@if [ -x $(PY) ]; then $(PY) -m ql3.devservers down .tmp/devservers; fi
 
 clean: db-down
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -151,6 +151,10 @@ def register_revision(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
             verb.add_argument("--actor", help="who acts (default: $QL3_ACTOR or $USER)")
 
 
+EXTRA_MODULES = frozenset({"redis", "prometheus_client", "httpx"})
+"""Libraries of the extras beyond ``postgres``: a command that needs one is left out."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = ArgumentParser(
         prog="ql3", description="Durable contract revisions and model invocations on PostgreSQL."
@@ -161,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:
+            # The module itself, or a library of an extra it needs (the relay and recover
+            # commands need ql3[relay]; ql3[postgres] serves the others).
+            if exc.name != name and (exc.name or "").split(".")[0] not in EXTRA_MODULES:
                 raise
             continue
         module.register(subparsers)

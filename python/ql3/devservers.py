@@ -217,8 +217,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 
@@ -241,11 +241,16 @@ def up(state_dir: Path) -> int:
     root = Path(tempfile.mkdtemp(prefix="ql3-dev-"))
     pg = start_postgres(root)
     rd = start_redis(root)
-    dsn = create_database(pg, "ql3")
-    migrate(dsn, with_ai=True)
     assert pg.proc is not None and rd.proc is not None
+    # Recorded at once, so that down() stops them if anything below fails.
     state = {"root": str(root), "postgres_pid": pg.proc.pid, "redis_pid": rd.proc.pid}
     state_file.write_text(json.dumps(state))
+    try:
+        dsn = create_database(pg, "ql3")
+        migrate(dsn, with_ai=True)
+    except BaseException:
+        down(state_dir)
+        raise
     env = f"export QL3_DSN={dsn}\nexport QL3_REDIS_URL={rd.url}\n"
     (state_dir / "env").write_text(env)
     print(env, end="")

@@ -192,10 +192,11 @@ def migrate(
     return applied
 
 
-def check_lock_timeout(seconds: object) -> float:
+def check_lock_timeout(seconds: object, name: str = "lock_timeout") -> float:
     """A lock timeout: seconds above 0 and at most ``MAX_LOCK_TIMEOUT_SECONDS`` (0 would
-    be PostgreSQL's "no limit", the silent hang this bound is for)."""
-    return check_seconds("lock_timeout", seconds, most=MAX_LOCK_TIMEOUT_SECONDS)
+    be PostgreSQL's "no limit", the silent hang this bound is for); ``name`` is what the
+    error calls the setting."""
+    return check_seconds(name, seconds, most=MAX_LOCK_TIMEOUT_SECONDS)
 
 
 def resolve_targets(
@@ -684,10 +685,7 @@ def lock_timeout_from(args: argparse.Namespace, environ: Mapping[str, str]) -> f
             raise InvalidArgument(
                 f"QL3_INVALID_ARGUMENT: {source}={text!r} is not a number of seconds"
             ) from None
-    try:
-        return check_lock_timeout(value)
-    except InvalidArgument as exc:
-        raise InvalidArgument(exc.message.replace("lock_timeout", source, 1)) from None
+    return check_lock_timeout(value, source)
 
 
 def dsn_from(args: argparse.Namespace, command: str) -> str | None:

@@ -207,3 +207,17 @@ def test_a_bad_recovery_setting_is_exit_2(
     code, _, err = run(capsys, "recover", "--loop")
     assert code == 2
     assert err.startswith("error: QL3_INVALID_ARGUMENT: QL3_RECOVERY_INTERVAL='abc'"), err
+
+
+def test_with_only_the_postgres_extra_the_commands_that_need_it_still_run() -> None:
+    # ql3[postgres] without redis-py, prometheus-client or httpx: the relay and recover
+    # commands are left out of the parser, the others work.
+    blocked = "import sys; sys.modules.update(redis=None, prometheus_client=None, httpx=None)"
+    script = f"{blocked}; from ql3 import command; sys.argv[0] = 'ql3'; command.main()"
+    for argv, present in ((["migrate", "--help"], True), (["relay", "--help"], False)):
+        done = subprocess.run(
+            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60
+        )
+        assert "Traceback" not in done.stderr, done.stderr
+        assert (done.returncode == 0) is present, (argv, done.returncode, done.stderr)
+    assert "invalid choice: 'relay'" in done.stderr

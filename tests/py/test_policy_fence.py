@@ -227,7 +227,7 @@ def wait_until_blocked(dsn: str, user: str, timeout: float = 10.0) -> bool:
         while time.monotonic() < deadline:
             row = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity"
-                " WHERE usename = %s AND wait_event_type = 'Lock'",
+                " WHERE usename = %s AND wait_event_type = 'Lock' AND datname = current_database()",
                 (user,),
             ).fetchone()
             if row is not None and row[0] > 0:

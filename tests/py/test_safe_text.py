@@ -127,8 +127,8 @@ def test_log_lines_redact_every_field_and_the_traceback(dsn: str) -> None:
 ARGV_LEAKS = [
     ["--dsn", "{dsn}", "bogus"],  # a flag before the subcommand: "invalid choice"
     ["ready", "{dsn}"],  # a positional argument no command takes
-    ["migrate", "--dsn", "{dsn}", "extra", "--with-ai"],
-    ["relay", "--redis-url", "{dsn}", "--batch", "x", "{dsn}"],
+    ["migrate", "--dsn", "{dsn}", "{dsn}", "--with-ai"],  # "unrecognized arguments: <dsn>"
+    ["relay", "--redis-url", "{dsn}", "--batch", "{dsn}"],  # "invalid int value: '<dsn>'"
     ["recover", "--loop", "{dsn}"],
     ["invocations", "list", "--dsn", "{dsn}", "--limit", "{dsn}"],
 ]

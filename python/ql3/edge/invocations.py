@@ -27,7 +27,7 @@ from ql3.edge.checks import (
     checked_digest,
     invalid,
 )
-from ql3.edge.db import Row, Tx, utc_text
+from ql3.edge.db import Row, Tx, translate, utc_text
 from ql3.invocations import (
     ADMISSION_SCHEMA,
     COMPLETION_COMMAND_SCHEMA,
@@ -669,6 +669,20 @@ def resolve_invocation(tx: Tx, command: Any) -> Row:
 # -- recovery and usage ---------------------------------------------------------------
 
 
+def _recovery_failure_code(exc: errors.Ql3Error | sqlite3.Error) -> str:
+    """The SQLSTATE a skipped start is reported with, as PostgreSQL reports it: a taken
+    receipt identity (a UNIQUE failure) is Q3C01 (D46); any other SQLite error is what
+    ``translate`` makes of it."""
+    if isinstance(exc, sqlite3.Error):
+        if getattr(exc, "sqlite_errorname", "") in _UNIQUE_FAILURES:
+            return errors.Conflict.sqlstate or ""
+        exc = translate(exc)
+    return exc.sqlstate or "XX000"
+
+
+_UNIQUE_FAILURES = frozenset({"SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"})
+
+
 def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
     batch, grace = recovery_arguments(limit, grace_seconds)
     horizon = utc_text(tx.now - grace)
@@ -703,10 +717,7 @@ def recover_expired(tx: Tx, limit: object, grace_seconds: object) -> Row:
         except (errors.Ql3Error, sqlite3.Error) as exc:
             tx.run("ROLLBACK TO SAVEPOINT ql3_recover_one")
             tx.run("RELEASE SAVEPOINT ql3_recover_one")
-            if isinstance(exc, errors.Ql3Error):
-                code = exc.sqlstate or "XX000"
-            else:  # a UNIQUE constraint is a taken identity, as PostgreSQL reports it (D46)
-                code = "Q3C01" if isinstance(exc, sqlite3.IntegrityError) else "XX000"
+            code = _recovery_failure_code(exc)
             failed.append(
                 {
                     "invocation_id": start["invocation_id"],

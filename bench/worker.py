@@ -120,7 +120,8 @@ async def raw_subscribers(
             if conn is not None:
                 cur = await conn.execute(LOAD_ONE_SQL, key, prepare=True)
                 row = await cur.fetchone()
-                if row is None or canonical.digest(BODY_DOMAIN, row[2]) != row[3]:
+                # (epoch, revision_id, revision_no, body, body_hash, pointer_version)
+                if row is None or canonical.digest(BODY_DOMAIN, row[3]) != row[4]:
                     raise RuntimeError(f"{key}: no active revision, or not its body_hash")
             at = time.monotonic()
             times = seen.setdefault(seq, [])

@@ -53,15 +53,17 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import psycopg
-import redis.asyncio as aioredis
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
+from redis.asyncio.cluster import ClusterPubSub, RedisCluster
 
-from ql3 import arguments, canonical, errors
+from ql3 import arguments, canonical, errors, redis_links
 from ql3.db import CALL_MARGIN_S, translate
 from ql3.db_guard import bounded_async
 from ql3.logs import backoff_delay
+from ql3.pooler import prepare_threshold
+from ql3.redis_links import AnyRedis
 from ql3.relay import (
     DEFAULT_CHANNEL_PREFIX,
     HEARTBEAT_NAME,
@@ -72,6 +74,7 @@ from ql3.relay import (
     reraise_if_cancelled,
 )
 from ql3.revisions import BodyHashMismatch, EffectiveRevision
+from ql3.safe_text import redact_url
 
 BODY_DOMAIN = canonical.BODY_DOMAIN
 DEFAULT_STALENESS = 30.0
@@ -82,27 +85,42 @@ Key = tuple[str, str, str]
 Mode = Literal["starting", "normal", "degraded", "closed"]
 ChangeCallback = Callable[["EffectiveRevision"], "Awaitable[None] | None"]
 
-# One key (the reload a message triggers): one function call in one round trip. No row
-# means no revision is active; _LOAD_SQL then reads the pointer_version to install.
+# Every read also returns the database's failover epoch (D48), on a row of its own when
+# nothing else matches, so each answer says which history it comes from.
+
+# One key (the reload a message triggers): one function call in one round trip. A NULL
+# revision means none is active; _LOAD_SQL then reads the pointer_version to install.
 _LOAD_ONE_SQL = """
-SELECT revision_id, revision_no, body, body_hash, pointer_version
-FROM ql3.active_revision(%s, %s, %s)
+SELECT e.epoch, r.revision_id, r.revision_no, r.body, r.body_hash, r.pointer_version
+FROM ql3.failover_epoch() AS e (epoch)
+LEFT JOIN ql3.active_revision(%s, %s, %s) AS r ON true
 """
 
 _LOAD_SQL = """
-SELECT p.project_id, p.contract_family, p.contract_id, p.pointer_version,
+SELECT e.epoch, p.project_id, p.contract_family, p.contract_id, p.pointer_version,
        r.revision_id, r.revision_no, r.body, r.body_hash
-FROM ql3.active_pointers(%s::jsonb) AS p
+FROM ql3.failover_epoch() AS e (epoch)
+LEFT JOIN ql3.active_pointers(%s::jsonb) AS p ON true
 LEFT JOIN LATERAL ql3.active_revision(p.project_id, p.contract_family, p.contract_id) AS r
     ON true
 """
 
-_FAMILIES_SQL = "SELECT contract_family, max_staleness_seconds FROM ql3.contract_families"
+_FAMILIES_SQL = """
+SELECT e.epoch, f.contract_family, f.max_staleness_seconds
+FROM ql3.failover_epoch() AS e (epoch)
+LEFT JOIN ql3.contract_families AS f ON true
+"""
 
 _VERIFY_SQL = """
-SELECT project_id, contract_family, contract_id, revision_id, pointer_version
-FROM ql3.active_pointers(%s::jsonb)
+SELECT e.epoch, p.project_id, p.contract_family, p.contract_id, p.revision_id, p.pointer_version
+FROM ql3.failover_epoch() AS e (epoch)
+LEFT JOIN ql3.active_pointers(%s::jsonb) AS p ON true
 """
+
+# Epochs announced by messages or heartbeats and not yet checked, and those the database
+# did not confirm, are kept up to these many: forged ones cannot grow the cache.
+_MAX_SUSPECTS = 64
+_MAX_REFUTED = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +135,8 @@ class CacheHealth:
     malformed_messages: int
     reloads: int
     verifications: int
+    failover_epoch: str | None = None  # of the database, as last read (D48)
+    failover_epoch_changes: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,16 +172,36 @@ class _Sent:
 
 @dataclass
 class _Entry:
-    """One key's state: its revision (None = none active) at one pointer_version."""
+    """One key's state: its revision (None = none active) at one pointer_version, in the
+    failover epoch it was read in (pointer_versions of two epochs do not compare)."""
 
     revision: _Revision | None
     pointer_version: int
+    epoch: str
     cached_wall: float
     verified_mono: float
     verified_wall: float
     # What get_effective served, with the verified_wall it was made at: a hit returns the
     # same (immutable) object until the entry is verified again.
     served: tuple[float, EffectiveRevision] | None = None
+
+
+class _ShardSilent(Exception):
+    """A Cluster shard's heartbeat went unheard for too long (``_check_shards_heard``)."""
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _oldest(heard: Iterable[float | None]) -> float | None:
+    """The oldest of the last heartbeats of every channel, None while one is unheard."""
+    oldest: float | None = None
+    for at in heard:
+        if at is None:
+            return None
+        oldest = at if oldest is None else min(oldest, at)
+    return oldest
 
 
 def _wall(ts: float | None) -> datetime | None:
@@ -178,9 +218,11 @@ class RevisionCache:
     ``async with RevisionCache(dsn, redis_url) as cache: rev = await cache.get_effective(...)``
 
     ``projects`` limits the subscription to those projects (default: every project, by
-    pattern). ``max_staleness`` overrides the per-family budget from ``contract_families``
-    (seconds; tests shorten it). ``heartbeat_timeout`` is how long without a relay
-    heartbeat before the cache degrades (keep it at several relay heartbeat intervals).
+    pattern). On a Redis Cluster (``redis+cluster://``) it is required: events travel by
+    sharded pub/sub, which has no patterns (D52). ``max_staleness`` overrides the
+    per-family budget from ``contract_families`` (seconds; tests shorten it).
+    ``heartbeat_timeout`` is how long without a relay heartbeat before the cache degrades
+    (keep it at several relay heartbeat intervals).
     ``db_timeout`` bounds the wait for a database connection of the cache's own pool; a
     read that has no answer ``db_timeout`` + 5 seconds after it was sent is given up
     (``Unavailable``, its connection dropped).
@@ -225,6 +267,7 @@ class RevisionCache:
                 timeout=db_timeout,
                 kwargs={
                     "autocommit": True,
+                    "prepare_threshold": prepare_threshold(),  # ql3.pooler
                     "connect_timeout": max(2, math.ceil(db_timeout)),
                     "application_name": "ql3-cache",
                 },
@@ -237,6 +280,17 @@ class RevisionCache:
         # that stopped answering must not hold a reload, or a get_effective, forever.
         self._read_limit = db_timeout + CALL_MARGIN_S
         self._redis_url = redis_url
+        try:
+            self._redis_link = redis_links.parse(redis_url)
+        except ValueError as exc:
+            raise errors.InvalidArgument(
+                f"QL3_INVALID_ARGUMENT: redis_url {redact_url(redis_url)!r}: {exc}"
+            ) from None
+        if self._redis_link.kind == "cluster" and projects is None:
+            raise errors.InvalidArgument(
+                "QL3_INVALID_ARGUMENT: a cache on a Redis Cluster needs projects: sharded "
+                "pub/sub has no patterns"
+            )
         self._prefix = channel_prefix
         self._projects = sorted(set(projects)) if projects is not None else None
         self._overrides = overrides
@@ -244,6 +298,9 @@ class RevisionCache:
         self._subscribe_timeout = subscribe_timeout
         self._redis_timeout = redis_timeout
         self._heartbeat_channel = heartbeat_channel(channel_prefix)
+        # When each heartbeat channel listened to was last heard (monotonic). On a Cluster
+        # there is one per shard (D53), and _last_heartbeat_mono is the oldest of them.
+        self._heartbeats_heard: dict[str, float | None] = {self._heartbeat_channel: None}
 
         self._entries: dict[Key, _Entry] = {}
         self._known: set[Key] = set()
@@ -255,6 +312,14 @@ class RevisionCache:
         self._family_staleness: dict[str, float] = {}
         self._ticks = itertools.count(1)
         self._unverified_tick = 0  # reads sent before it verify nothing
+        # The failover epoch (D48) of the database as of the read sent at _epoch_tick;
+        # answers from another epoch sent before then are from a history the cache left.
+        self._epoch: str | None = None
+        self._epoch_tick = 0
+        self._epoch_changes = 0
+        self._suspects: dict[str, int] = {}  # announced epoch -> tick it was first seen
+        self._refuted: set[str] = set()  # announced, and a later read said otherwise
+        self._epoch_check = False  # the verify loop reads the epoch now
 
         self._mode: Mode = "starting"
         self._subscribed = False
@@ -271,7 +336,7 @@ class RevisionCache:
         self._reload_queue: set[Key] = set()
         self._reload_wake = asyncio.Event()
         self._verify_wake = asyncio.Event()
-        self._redis: aioredis.Redis | None = None
+        self._redis: AnyRedis | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._callback_tasks: set[asyncio.Future[Any]] = set()
 
@@ -399,6 +464,8 @@ class RevisionCache:
             malformed_messages=self._malformed,
             reloads=self._reloads,
             verifications=self._verifications,
+            failover_epoch=self._epoch,
+            failover_epoch_changes=self._epoch_changes,
         )
 
     @property
@@ -425,7 +492,7 @@ class RevisionCache:
         return hint is not None and hint.version > entry.pointer_version
 
     def _usable(self, key: Key, entry: _Entry, since: float) -> bool:
-        if self._hinted_newer(key, entry):
+        if entry.epoch != self._epoch or self._hinted_newer(key, entry):
             return False
         if self._live_mode() != "normal":
             return entry.verified_mono >= since
@@ -500,27 +567,36 @@ class RevisionCache:
                 raise translate(exc) from exc
             except TimeoutError as exc:  # the pool found no connection in time
                 reraise_if_cancelled()
-                raise errors.Unavailable(f"QL3_UNAVAILABLE: {exc}") from exc
+                raise errors.NotSent(f"QL3_UNAVAILABLE: {exc}") from exc
         raise AssertionError("unreachable")
 
     async def _load_families(self) -> None:
         """Read every family's max staleness; failures raise (``start`` fails closed)."""
+        sent = self._sent()
         try:
             rows = await self._fetch(_FAMILIES_SQL, ())
         except errors.Unavailable as exc:
             raise errors.Unavailable(
                 f"QL3_UNAVAILABLE: cannot read the contract family budgets: {exc}"
             ) from exc
+        self._accept_epoch(str(rows[0]["epoch"]), sent)
         self._family_staleness = {
-            str(r["contract_family"]): float(r["max_staleness_seconds"]) for r in rows
+            str(r["contract_family"]): float(r["max_staleness_seconds"])
+            for r in rows
+            if r["contract_family"] is not None
         }
 
     async def _verify(self, keys: Sequence[Key]) -> list[Key]:
         """Check entries against their active pointers; the keys that moved are dropped."""
         sent = self._sent()
         rows = await self._query(_VERIFY_SQL, keys)
+        epoch = str(rows[0]["epoch"])
+        if not self._accept_epoch(epoch, sent):
+            return []  # answered by the history the cache has left: verifies nothing
         changed: list[Key] = []
         for row in rows:
+            if row["project_id"] is None:
+                continue  # no keys asked: the row that carries the epoch
             key = (row["project_id"], row["contract_family"], row["contract_id"])
             entry = self._entries.get(key)
             if entry is None:
@@ -528,7 +604,12 @@ class RevisionCache:
             version = int(row["pointer_version"])
             revision_id = None if row["revision_id"] is None else str(row["revision_id"])
             current = None if entry.revision is None else entry.revision.revision_id
-            if version == entry.pointer_version and revision_id == current:
+            if entry.epoch != epoch:
+                # Read in the history before a failover: the database decides, even when
+                # its pointer_version is lower (SPEC section 8, D48).
+                del self._entries[key]
+                changed.append(key)
+            elif version == entry.pointer_version and revision_id == current:
                 self._stamp(entry, sent)
             elif version > entry.pointer_version:
                 # Seen in the database: no load from an older snapshot may undo it.
@@ -563,31 +644,109 @@ class RevisionCache:
         if verified > entry.verified_mono:
             entry.verified_mono, entry.verified_wall = verified, sent.wall
 
+    # -- failover epoch (D48) ------------------------------------------------------------
+
+    def _accept_epoch(self, epoch: str, sent: _Sent) -> bool:
+        """Whether an answer read in ``epoch`` may be used; a newer read in another epoch
+        than the cache's means a failover (or a restore): the cache takes it up."""
+        if epoch == self._epoch:
+            self._refute_suspects(epoch, sent)
+            return True
+        if sent.tick < self._epoch_tick:
+            return False  # sent before a later read told the current epoch
+        previous, self._epoch, self._epoch_tick = self._epoch, epoch, sent.tick
+        self._suspects.pop(epoch, None)
+        self._refute_suspects(epoch, sent)
+        if previous is None:
+            return True  # the first read (start)
+        self._epoch_changes += 1
+        self._refuted.discard(epoch)
+        self._refuted.add(previous)  # a relay still on the old primary is not heard
+        # Hints order pointer_versions of the old history; entries read in it are not used
+        # again before the database is asked (_usable), and the verify loop asks now.
+        self._hints.clear()
+        for entry in self._entries.values():
+            entry.verified_mono = -math.inf
+        self._verify_wake.set()
+        _log(
+            logging.WARNING,
+            "cache_failover_epoch_changed",
+            previous=previous,
+            epoch=epoch,
+            entries=len(self._entries),
+        )
+        return True
+
+    def _refute_suspects(self, epoch: str, sent: _Sent) -> None:
+        """Announced epochs that a read sent after them did not confirm are not checked
+        again (until the cache's own epoch changes)."""
+        for suspect, tick in list(self._suspects.items()):
+            if tick < sent.tick:
+                del self._suspects[suspect]
+                if suspect != epoch:
+                    if len(self._refuted) >= _MAX_REFUTED:
+                        self._refuted.clear()
+                    self._refuted.add(suspect)
+
+    def _same_epoch(self, doc: Mapping[str, Any]) -> bool:
+        """Whether a message or heartbeat comes from the epoch the cache reads; one from
+        another epoch makes the verify loop ask the database which epoch it is in. A
+        message without one (the edge relay's) counts as the cache's own."""
+        epoch = doc.get("failover_epoch")
+        if epoch is None:
+            return True
+        if not isinstance(epoch, str) or not epoch:
+            raise ValueError("failover_epoch must be a non-empty string")
+        if epoch == self._epoch:
+            return True
+        if (
+            epoch not in self._refuted
+            and epoch not in self._suspects
+            and len(self._suspects) < _MAX_SUSPECTS
+        ):
+            self._suspects[epoch] = next(self._ticks)
+            self._epoch_check = True
+            self._verify_wake.set()
+        return False
+
     async def _load(self, keys: Sequence[Key]) -> None:
         """Read the active revisions of keys in one round trip and install what is newer."""
         for key in keys:
             self._load_errors.pop(key, None)
         sent = self._sent()
-        loaded = await self._read_active(keys)  # a failed read raises to the caller itself
+        epoch, loaded = await self._read_active(keys)  # a failed read raises to the caller
         self._reloads += 1
+        if not self._accept_epoch(epoch, sent):
+            return  # answered by the history the cache has left: installs nothing
         for key, row in loaded:
             try:
-                self._install(key, row, sent)
+                self._install(key, row, sent, epoch)
             except errors.Ql3Error as exc:
                 self._load_errors[key] = exc
 
-    async def _read_active(self, keys: Sequence[Key]) -> list[tuple[Key, dict[str, Any]]]:
-        """Each key with its row: revision columns (NULL if none active), pointer_version."""
+    async def _read_active(
+        self, keys: Sequence[Key]
+    ) -> tuple[str, list[tuple[Key, dict[str, Any]]]]:
+        """The failover epoch, and each key with its row: revision columns (NULL if none
+        active), pointer_version."""
         if len(keys) == 1:
             rows = await self._fetch(_LOAD_ONE_SQL, keys[0])
-            if rows:
-                return [(keys[0], rows[0])]
+            if rows[0]["revision_id"] is not None:
+                return str(rows[0]["epoch"]), [(keys[0], rows[0])]
         rows = await self._query(_LOAD_SQL, keys)
-        return [((r["project_id"], r["contract_family"], r["contract_id"]), r) for r in rows]
+        return str(rows[0]["epoch"]), [
+            ((r["project_id"], r["contract_family"], r["contract_id"]), r)
+            for r in rows
+            if r["project_id"] is not None
+        ]
 
-    def _install(self, key: Key, row: Mapping[str, Any], sent: _Sent) -> None:
+    def _install(self, key: Key, row: Mapping[str, Any], sent: _Sent, epoch: str) -> None:
         version = int(row["pointer_version"])
         entry = self._entries.get(key)
+        if entry is not None and entry.epoch != epoch:
+            # Read before a failover: whatever the database now says replaces it (D48).
+            del self._entries[key]
+            entry = None
         if entry is not None and version < entry.pointer_version:
             return  # an older snapshot finished late: never go backwards
         hint = self._hints.get(key)
@@ -649,6 +808,7 @@ class RevisionCache:
             self._entries[key] = _Entry(
                 revision=revision,
                 pointer_version=version,
+                epoch=epoch,
                 cached_wall=sent.wall,
                 verified_mono=self._verified_mono(sent),
                 verified_wall=sent.wall,
@@ -737,7 +897,10 @@ class RevisionCache:
                 for key, entry in self._entries.items()
                 if now - entry.verified_mono > self.staleness(key[1]) / 2
             ]
-            if not due:
+            # A message or heartbeat announced another failover epoch: ask the database
+            # (the read carries the epoch even with no key due).
+            check, self._epoch_check = self._epoch_check, False
+            if not due and not check:
                 continue
             try:
                 changed = await self._verify(due)
@@ -746,6 +909,7 @@ class RevisionCache:
                 failures = 0
             except errors.Ql3Error as exc:
                 reraise_if_cancelled()
+                self._epoch_check = self._epoch_check or check
                 failures += 1
                 _log(logging.WARNING, "cache_verify_failed", error=str(exc), attempt=failures)
                 await asyncio.sleep(backoff_delay(failures, initial=0.1, cap=5.0))
@@ -776,6 +940,9 @@ class RevisionCache:
         return [], [*channels, self._heartbeat_channel]
 
     async def _subscription_loop(self) -> None:
+        if self._redis_link.kind == "cluster":
+            await self._sharded_subscription_loop()
+            return
         failures = 0
         patterns, channels = self._patterns()
         expected = len(patterns) + len(channels)
@@ -811,21 +978,108 @@ class RevisionCache:
             except Exception as exc:  # Redis errors, and bugs: never stop subscribing
                 reraise_if_cancelled()
                 failures += 1
-                if not isinstance(exc, REDIS_ERRORS):
-                    log.error(
-                        "cache_subscription_lost",
-                        exc_info=True,
-                        extra={"ql3": {"error": repr(exc)}},
-                    )
-                elif self._subscribed or failures == 1:
-                    _log(logging.WARNING, "cache_subscription_lost", error=str(exc))
-                self._subscribed = False
-                self._set_mode(self._live_mode())
+                self._subscription_lost(exc, failures)
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
             await asyncio.sleep(backoff_delay(failures, initial=0.05, cap=2.0))
+
+    def _subscription_lost(self, exc: Exception, failures: int) -> None:
+        """Log a lost subscription (a bug with its traceback, a Redis error once per outage)
+        and leave normal mode until it is back."""
+        if not isinstance(exc, REDIS_ERRORS):
+            log.error("cache_subscription_lost", exc_info=exc, extra={"ql3": {"error": repr(exc)}})
+        elif self._subscribed or failures == 1:
+            _log(logging.WARNING, "cache_subscription_lost", error=str(exc))
+        self._subscribed = False
+        self._set_mode(self._live_mode())
+
+    async def _sharded_subscription_loop(self) -> None:
+        """The subscription on a Redis Cluster (D52, D53): SSUBSCRIBE to each project's
+        channel, and to the heartbeat channel of each shard that carries one of them.
+
+        redis-py's ClusterPubSub holds one connection per shard and, after a failover,
+        moves a shard's channels to its new master; each channel subscribed again is
+        confirmed again, which marks every entry unverified (what that shard published
+        meanwhile is lost), as a resubscription to one server does. A shard heard of no
+        heartbeat for two heartbeat timeouts gets a whole new client and subscription (a
+        fresh slot map), in case the move never happened.
+        """
+        assert self._projects is not None  # required on a Cluster (__init__)
+        channels = [project_channel(self._prefix, p) for p in self._projects]
+        failures = 0
+        while True:
+            reraise_if_cancelled()
+            cluster: RedisCluster | None = None
+            pubsub: ClusterPubSub | None = None
+            try:
+                client = make_redis(self._redis_url, timeout=self._redis_timeout)
+                assert isinstance(client, RedisCluster)
+                cluster = self._redis = client
+                await cluster.initialize()
+                beats = redis_links.heartbeat_channels_for(cluster, self._prefix, channels)
+                self._listen_for_heartbeats(beats)
+                wanted = {*channels, *beats}
+                pubsub = cluster.pubsub()
+                await pubsub.ssubscribe(*sorted(wanted))
+                confirmed: set[str] = set()
+                since = time.monotonic()
+                while True:
+                    reraise_if_cancelled()
+                    message = await pubsub.get_sharded_message(timeout=1.0)
+                    if message is None:
+                        if confirmed >= wanted:
+                            self._check_shards_heard(since)
+                        continue
+                    kind = _text(message.get("type"))
+                    channel = _text(message.get("channel"))
+                    if kind == "smessage":
+                        self._on_message(channel, message.get("data"))
+                    elif kind == "ssubscribe" and confirmed >= wanted:
+                        self._on_subscribed()  # a shard subscribed again (failover)
+                    elif kind == "ssubscribe":
+                        confirmed.add(channel)
+                        if confirmed >= wanted:
+                            failures = 0
+                            self._on_subscribed()
+            except asyncio.CancelledError:
+                raise
+            except _ShardSilent as exc:
+                reraise_if_cancelled()
+                _log(logging.WARNING, "cache_shard_silent", error=str(exc))
+                self._subscribed = False
+                self._set_mode(self._live_mode())
+            except Exception as exc:  # Redis errors, and bugs: never stop subscribing
+                reraise_if_cancelled()
+                failures += 1
+                self._subscription_lost(exc, failures)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+                if cluster is not None:
+                    self._redis = None
+                    with contextlib.suppress(Exception):
+                        await cluster.aclose()
+            await asyncio.sleep(backoff_delay(failures, initial=0.05, cap=2.0))
+
+    def _listen_for_heartbeats(self, channels: Iterable[str]) -> None:
+        """Expect heartbeats on these channels (one per shard), keeping what was heard."""
+        heard = self._heartbeats_heard
+        self._heartbeats_heard = {channel: heard.get(channel) for channel in channels}
+        self._last_heartbeat_mono = _oldest(self._heartbeats_heard.values())
+
+    def _check_shards_heard(self, since: float) -> None:
+        """Raise ``_ShardSilent`` when a shard's heartbeat went unheard for two heartbeat
+        timeouts since ``since`` (when the subscription was made)."""
+        now = time.monotonic()
+        for channel, at in self._heartbeats_heard.items():
+            if now - max(since, at or since) > 2 * self._heartbeat_timeout:
+                raise _ShardSilent(
+                    f"no heartbeat on {channel} for {now - max(since, at or since):.1f} s: "
+                    "subscribing again with a fresh slot map"
+                )
 
     def _on_subscribed(self) -> None:
         first = not self._subscribed_event.is_set()
@@ -845,10 +1099,13 @@ class RevisionCache:
             doc = json.loads(text)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
-            if channel_name == self._heartbeat_channel:
+            if channel_name in self._heartbeats_heard:
                 if doc.get("type") != "heartbeat":
                     raise ValueError("heartbeat without type heartbeat")
-                self._last_heartbeat_mono = time.monotonic()
+                if not self._same_epoch(doc):
+                    return  # a relay on another database than ours: no sign of liveness
+                self._heartbeats_heard[channel_name] = time.monotonic()
+                self._last_heartbeat_mono = _oldest(self._heartbeats_heard.values())
                 self._last_heartbeat_wall = now
                 if self._mode == "degraded":
                     self._set_mode(self._live_mode())
@@ -882,6 +1139,8 @@ class RevisionCache:
             raise ValueError("pointer_version must be a non-negative integer")
         if channel != project_channel(self._prefix, project_id):
             raise ValueError(f"project {project_id!r} published on {channel!r}")
+        if not self._same_epoch(doc):
+            return  # another history's pointer_version orders nothing here
         key = (project_id, family, contract_id)
         if key not in self._known:
             return

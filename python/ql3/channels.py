@@ -32,9 +32,13 @@ def rfc3339(moment: datetime) -> str:
 
 
 def event_message(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON document published for one outbox row."""
+    """The JSON document published for one outbox row.
+
+    A row with a ``failover_epoch`` (the PostgreSQL relay's, D48) carries it last; the edge
+    relay's rows have none.
+    """
     old = row["old_revision_id"]
-    return {
+    message = {
         "seq": int(row["seq"]),
         "event_id": str(row["event_id"]),
         "event_type": row["event_type"],
@@ -46,6 +50,9 @@ def event_message(row: Mapping[str, Any]) -> dict[str, Any]:
         "pointer_version": int(row["pointer_version"]),
         "created_at": rfc3339(row["created_at"]),
     }
+    if "failover_epoch" in row:
+        message["failover_epoch"] = str(row["failover_epoch"])
+    return message
 
 
 __all__ = [

@@ -12,9 +12,9 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-from ql3 import arguments, errors
+from ql3 import arguments, errors, pooler
 
 # SQLSTATEs that mean "not now, try again": the database did not answer (connection
 # exceptions, operator intervention such as a shutdown, query canceled by the statement
@@ -94,7 +94,14 @@ def translate(exc: psycopg.Error) -> errors.Ql3Error:
 
 def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3Error:
     if isinstance(exc, psycopg.OperationalError) and not state:
-        return errors.Unavailable(message)
+        if _never_sent(exc, message):
+            why = pooler.recent_connect_failure(60.0) if isinstance(exc, PoolTimeout) else None
+            if why is not None:  # the pool's own message hides why it got no connection
+                message = f"{message}; the last connection attempt failed: {why}"
+            return errors.NotSent(f"QL3_UNAVAILABLE: nothing was sent: {message}")
+        # The connection failed with the call on it (or we cannot tell when): it may have
+        # committed (D49).
+        return errors.OutcomeUnknown(f"QL3_UNAVAILABLE: the call's outcome is unknown: {message}")
     if (
         isinstance(exc, psycopg.ProgrammingError)
         and not state
@@ -106,8 +113,10 @@ def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3
         # Refused by psycopg before sending (a NUL in a text argument): the caller's input,
         # as the SQLite store and the server's own 22xxx states say.
         return errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: {message}")
+    if state.startswith(_OUTCOME_UNKNOWN_PREFIXES):
+        return errors.OutcomeUnknown(f"{message} (SQLSTATE {state}; the call's outcome is unknown)")
     if state.startswith(_UNAVAILABLE_PREFIXES):
-        return errors.Unavailable(f"{message} (SQLSTATE {state})")
+        return errors.Unavailable(f"{message} (SQLSTATE {state})")  # rolled back
     if state == "42501":
         return errors.PermissionDenied(message)
     if state in _BAD_INPUT_STATES:
@@ -123,6 +132,20 @@ def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3
 # A ql3 table or schema that does not exist: the database was never migrated, or not
 # with the AI stream.
 _MISSING_OBJECT_STATES = {"42P01", "3F000"}
+
+# Transient states in which the server may have ended the session after the call's COMMIT
+# (a connection exception, a terminated backend or shut-down server, statement completion
+# unknown): OutcomeUnknown. Every other transient state is an error answer to the call, whose
+# transaction was rolled back: plain Unavailable (D49).
+_OUTCOME_UNKNOWN_PREFIXES = ("08", "57P01", "57P02", "57P04", "57P05", "40003")
+
+
+def _never_sent(exc: psycopg.Error, message: str) -> bool:
+    """Whether a client-side failure happened before any call was sent: no connection from
+    the pool in time, or a connection that could not be opened (D49)."""
+    if isinstance(exc, PoolTimeout | psycopg.errors.ConnectionTimeout):
+        return True
+    return message.startswith("connection failed:")
 
 
 @contextlib.contextmanager
@@ -196,15 +219,17 @@ def tcp_settings(conninfo: str, user_timeout_s: float) -> dict[str, str]:
 def connect(
     conninfo: str, *, timeouts: Timeouts | None = None, autocommit: bool = False
 ) -> psycopg.Connection[tuple[object, ...]]:
-    """One connection with ql3's timeouts and TCP keepalives set at startup."""
+    """One connection with ql3's timeouts and TCP keepalives set at startup (or, behind a
+    transaction pooler, per transaction: ql3.pooler), preparing no statements."""
     t = timeouts or Timeouts()
     options = with_options(conninfo, t.options())
     with translated():
-        return psycopg.connect(
+        return pooler.Connection.connect(
             make_conninfo(conninfo, **tcp_settings(conninfo, t.tcp_user_timeout_s)),
             autocommit=autocommit,
             connect_timeout=t.connect_s,
             options=options,
+            prepare_threshold=pooler.prepare_threshold(),
         )
 
 
@@ -220,8 +245,10 @@ def _pool_args(
     (every ql3 call is one statement calling one SQL function, its own transaction: one
     round trip instead of BEGIN, the call and COMMIT, D20), carry ql3's timeouts after the
     caller's options, defer outbox NOTIFYs (D17) and have TCP keepalives and
-    tcp_user_timeout unless the conninfo sets its own. A malformed conninfo is
-    InvalidArgument here, before any pool exists."""
+    tcp_user_timeout unless the conninfo sets its own. They prepare no statements and,
+    where the server did not apply their startup options (a transaction pooler), carry
+    them into each transaction (ql3.pooler). A malformed conninfo is InvalidArgument here,
+    before any pool exists."""
     t = timeouts or Timeouts()
     return {
         "min_size": min_size,
@@ -229,6 +256,7 @@ def _pool_args(
         "timeout": float(t.connect_s),
         "kwargs": {
             "autocommit": True,
+            "prepare_threshold": pooler.prepare_threshold(),
             "connect_timeout": t.connect_s,
             "options": with_options(conninfo, f"{t.options()} {DEFERRED_NOTIFY_OPTION}"),
             **tcp_settings(conninfo, t.tcp_user_timeout_s),
@@ -240,7 +268,12 @@ def make_pool(
     conninfo: str, *, timeouts: Timeouts | None = None, min_size: int = 1, max_size: int = 8
 ) -> ConnectionPool:
     """ql3's connection pool (``_pool_args``), open."""
-    return ConnectionPool(conninfo, open=True, **_pool_args(conninfo, timeouts, min_size, max_size))
+    return ConnectionPool(
+        conninfo,
+        connection_class=pooler.Connection,
+        open=True,
+        **_pool_args(conninfo, timeouts, min_size, max_size),
+    )
 
 
 def make_async_pool(
@@ -248,5 +281,8 @@ def make_async_pool(
 ) -> AsyncConnectionPool:
     """The asyncio twin of ``make_pool``, not opened yet (``await pool.open()`` in a loop)."""
     return AsyncConnectionPool(
-        conninfo, open=False, **_pool_args(conninfo, timeouts, min_size, max_size)
+        conninfo,
+        connection_class=pooler.AsyncConnection,
+        open=False,
+        **_pool_args(conninfo, timeouts, min_size, max_size),
     )

@@ -11,7 +11,7 @@
 - **No call waits forever.** ``statement_timeout`` stops a statement, not a COMMIT that
   waits for a synchronous standby or a backend that has stopped answering while the
   kernel still acknowledges its packets. A call that has not ended ``Timeouts.call_limit()``
-  seconds after it was sent is ``QL3_UNAVAILABLE`` and its outcome unknown (as for a lost
+  seconds after it was sent is ``OutcomeUnknown`` (``QL3_UNAVAILABLE``, D49; as for a lost
   COMMIT reply: the gateway withholds the call, recovery settles a start left behind). On
   asyncio the call is cancelled: psycopg then sends a cancel request and waits for the
   server at most 5 s more before it closes the connection (psycopg >= 3.3). A thread has
@@ -104,12 +104,14 @@ async def checked_out_async(
     raise _all_closed()
 
 
-def _all_closed() -> errors.Unavailable:
-    return errors.Unavailable("QL3_UNAVAILABLE: every pooled connection was closed by the server")
+def _all_closed() -> errors.NotSent:
+    """No call was sent: every connection tried was found dead before it (D49)."""
+    return errors.NotSent("QL3_UNAVAILABLE: every pooled connection was closed by the server")
 
 
-def overdue(seconds: float) -> errors.Unavailable:
-    return errors.Unavailable(
+def overdue(seconds: float) -> errors.OutcomeUnknown:
+    """The call was sent and given up: it may still commit (D49)."""
+    return errors.OutcomeUnknown(
         f"QL3_UNAVAILABLE: PostgreSQL did not answer the call within {seconds:g} s "
         "(the connection was given up; the call's outcome is unknown)"
     )

@@ -64,9 +64,37 @@ class RevisionRevoked(Ql3Error):
 
 
 class Unavailable(Ql3Error):
-    """The database could not be reached or did not answer in time."""
+    """The database could not be reached, did not answer in time, or refused the call for
+    a transient reason; try again later.
+
+    ``outcome`` says whether the call took effect (D49); the code stays ``QL3_UNAVAILABLE``
+    for all three, so ``except Unavailable`` and ``.code`` checks see no difference:
+
+    - ``"not_sent"`` (``NotSent``): the call never reached PostgreSQL (no pooled connection
+      in time, the connection could not be opened): nothing was done, a retry is safe.
+    - ``"unknown"`` (``OutcomeUnknown``): the call was sent and no answer came (the
+      connection was lost, a COMMIT's reply never arrived, the call was given up): it may
+      have committed. Read back, or replay an idempotent command, before acting on it.
+    - ``"rolled_back"`` (this class itself): PostgreSQL answered with a transient error
+      (statement or lock timeout, serialization failure, deadlock, a read-only standby):
+      the call's transaction was rolled back.
+    """
 
     code = "QL3_UNAVAILABLE"
+    outcome: str = "rolled_back"
+
+
+class NotSent(Unavailable):
+    """The call never reached PostgreSQL: nothing was done (``outcome == "not_sent"``)."""
+
+    outcome = "not_sent"
+
+
+class OutcomeUnknown(Unavailable):
+    """The call was sent but its outcome is unknown: it may have committed
+    (``outcome == "unknown"``)."""
+
+    outcome = "unknown"
 
 
 class PermissionDenied(Ql3Error, PermissionError):

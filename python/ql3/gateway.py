@@ -137,6 +137,13 @@ class ModelAuditUnavailable(GatewayError):
     (``QL3_UNAVAILABLE``, ``QL3_CONFLICT``...). ``command`` is the command that failed: after
     a lost COMMIT response, replaying the admission command (``store.admit_invocation``)
     tells durably whether it was written (``existing``) or not (``created`` now).
+
+    ``cause_outcome`` (D49) is ``"not_sent"`` when the write never reached the database
+    (nothing was written: calling again with the same invocation_id is safe),
+    ``"unknown"`` when it was sent and no answer came (it may have committed),
+    ``"committed"`` when an admission whose answer was lost turned out, on the gateway's
+    replay, to have been written (the provider was not called; recovery settles the start
+    as lost), ``"rolled_back"`` for a transient refusal, and None for any other cause.
     """
 
     code = "MODEL_AUDIT_UNAVAILABLE"
@@ -149,11 +156,13 @@ class ModelAuditUnavailable(GatewayError):
         command: Mapping[str, Any],
         cause_code: str | None,
         invocation_id: str | None = None,
+        cause_outcome: str | None = None,
     ) -> None:
         super().__init__(message, invocation_id=invocation_id)
         self.phase = phase
         self.command = dict(command)
         self.cause_code = cause_code
+        self.cause_outcome = cause_outcome
 
 
 class ModelInvocationReplayBlocked(GatewayError):
@@ -565,7 +574,7 @@ async def _task_to_end(call: Awaitable[Mapping[str, Any]]) -> _Finished:
     if task.cancelled():  # not by us (loop shutdown): the outcome is unknown here
         if inspect.iscoroutine(call):
             call.close()  # never started if the task was cancelled before its first step
-        error = errors.Unavailable("QL3_UNAVAILABLE: the store call was cancelled")
+        error = errors.OutcomeUnknown("QL3_UNAVAILABLE: the store call was cancelled")
         return _Finished(None, error, True)
     done = task.result()
     return _Finished(done.value, done.error, guard.cancelled)
@@ -591,6 +600,11 @@ def _settled_fields(admission: _Admission, command: Mapping[str, Any]) -> dict[s
 
 def _code(exc: BaseException) -> str:
     return exc.code if isinstance(exc, Ql3Error) else type(exc).__name__
+
+
+def _outcome(exc: BaseException) -> str | None:
+    """Whether an unavailable store's write took effect (``errors.Unavailable.outcome``)."""
+    return exc.outcome if isinstance(exc, errors.Unavailable) else None
 
 
 class ModelGateway:
@@ -776,6 +790,8 @@ class ModelGateway:
             if loop.time() >= deadline:
                 raise _late_before_admission(call)
             done = await self._store_call(self._store.admit_invocation, plan.command, guard)
+            if isinstance(done.error, errors.OutcomeUnknown) and not done.cancelled:
+                done = await self._recheck_admission(call, plan, done, guard)
             if done.error is not None:
                 if isinstance(done.error, errors.StaleRevision) and attempt == 1:
                     if done.cancelled:
@@ -802,10 +818,43 @@ class ModelGateway:
                     command=plan.command,
                     cause_code=_code(done.error),
                     invocation_id=call.invocation_id,
+                    cause_outcome=_outcome(done.error),
                 ) from done.error
             assert done.value is not None
             return await self._admitted(call, plan, done, deadline, guard)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _recheck_admission(
+        self, call: ModelCall, plan: _Plan, lost: _Finished, guard: _Guard
+    ) -> _Finished:
+        """After an admission whose outcome is unknown (a lost COMMIT reply, a call given
+        up), the same command once more, which the database answers durably (D49):
+        ``created`` means the first never committed, and the call goes on with this one;
+        ``existing`` means it did, and the provider, never called, is not called now (the
+        start is settled by recovery). When the replay fails too the outcome stays unknown.
+        """
+        _log(
+            logging.WARNING,
+            "gateway_admission_outcome_unknown",
+            invocation_id=call.invocation_id,
+            error=str(lost.error),
+        )
+        again = await self._store_call(self._store.admit_invocation, plan.command, guard)
+        if again.error is not None or again.value is None:
+            return _Finished(None, lost.error, again.cancelled)
+        if again.value.get("status") != "existing":
+            return again
+        if again.cancelled:
+            raise asyncio.CancelledError
+        raise ModelAuditUnavailable(
+            "MODEL_AUDIT_UNAVAILABLE: the admission's answer was lost, and its replay found it "
+            "written; the provider was not called and recovery will settle the call as lost",
+            phase="admission",
+            command=plan.command,
+            cause_code=_code(lost.error) if lost.error is not None else None,
+            invocation_id=call.invocation_id,
+            cause_outcome="committed",
+        ) from lost.error
 
     async def _admitted(
         self, call: ModelCall, plan: _Plan, done: _Finished, deadline: float, guard: _Guard
@@ -953,6 +1002,7 @@ class ModelGateway:
                 command=command,
                 cause_code=_code(done.error),
                 invocation_id=admission.invocation_id,
+                cause_outcome=_outcome(done.error),
             ) from done.error
         if log.isEnabledFor(logging.INFO):
             _log(logging.INFO, "gateway_invocation_settled", **_settled_fields(admission, command))

@@ -42,6 +42,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
@@ -82,6 +83,7 @@ from ql3.migration_files import (
     split_name,
     table_ddl,
 )
+from ql3.pooler import prepare_threshold
 from ql3.safe_text import command_secrets, error_text, escape_controls
 
 Connection: TypeAlias = "psycopg.Connection[tuple[Any, ...]]"
@@ -226,6 +228,7 @@ def connect(conninfo: str) -> Iterator[Connection]:
         conn = psycopg.connect(
             conninfo,
             autocommit=True,
+            prepare_threshold=prepare_threshold(),  # safe behind a transaction pooler
             client_encoding="UTF8",
             fallback_application_name="ql3-migrate",
         )
@@ -580,6 +583,79 @@ def ready(conninfo: str, *, with_ai: bool, sql_root: Path | None = None) -> Read
     return ReadyReport(missing=missing, unexpected=unexpected, pending=pending, problems=problems)
 
 
+# What an acknowledged COMMIT survives (D49). pg_stat_replication shows every walsender,
+# but its sync_state only to members of pg_read_all_stats (pg_monitor): a hidden row leaves
+# the count unknown rather than zero.
+_DURABILITY_SQL = """
+SELECT pg_catalog.current_setting('synchronous_commit'),
+       pg_catalog.current_setting('synchronous_standby_names'),
+       count(*) FILTER (WHERE r.sync_state IN ('sync', 'quorum')),
+       count(*) FILTER (WHERE r.sync_state IS NULL)
+FROM pg_catalog.pg_stat_replication AS r
+"""
+
+REQUIRE_SYNC_STANDBY_VARIABLE = "QL3_REQUIRE_SYNC_STANDBY"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Durability:
+    """The durability the server offers now: ``sync_standbys`` is the number of connected
+    synchronous (or quorum) standbys, None when the role may not see it."""
+
+    synchronous_commit: str
+    synchronous_standby_names: str
+    sync_standbys: int | None
+
+    @property
+    def commits_wait(self) -> bool:
+        """Whether a COMMIT waits for a standby before it is acknowledged."""
+        return (
+            self.synchronous_commit in ("on", "remote_write", "remote_apply")
+            and bool(self.synchronous_standby_names.strip())
+            and bool(self.sync_standbys)
+        )
+
+    def problem(self) -> str | None:
+        """Why an acknowledged COMMIT may be lost with this server, or None."""
+        if self.sync_standbys is None:
+            return (
+                "cannot tell whether a synchronous standby is connected: the role may not "
+                "read pg_stat_replication.sync_state (grant it pg_monitor)"
+            )
+        if not self.synchronous_standby_names.strip() or self.sync_standbys == 0:
+            return "no synchronous standby is connected"
+        if self.synchronous_commit not in ("on", "remote_write", "remote_apply"):
+            return f"synchronous_commit is {self.synchronous_commit}: commits do not wait"
+        return None
+
+    def describe(self) -> str:
+        names = self.synchronous_standby_names or "(none)"
+        count = "unknown" if self.sync_standbys is None else str(self.sync_standbys)
+        problem = self.problem()
+        verdict = (
+            "an acknowledged COMMIT is on a synchronous standby too"
+            if problem is None
+            else f"{problem}: an acknowledged COMMIT can be lost when a standby is promoted"
+        )
+        return (
+            f"durability: synchronous_commit={self.synchronous_commit} "
+            f"synchronous_standby_names={names} sync_standbys={count}: {verdict}"
+        )
+
+
+def durability(conninfo: str) -> Durability:
+    """Read the server's durability settings and its connected synchronous standbys."""
+    with connect(conninfo) as conn:
+        row = conn.execute(_DURABILITY_SQL).fetchone()
+    assert row is not None
+    commit, names, sync, hidden = row
+    return Durability(
+        synchronous_commit=str(commit),
+        synchronous_standby_names=str(names),
+        sync_standbys=None if hidden else int(sync),
+    )
+
+
 @contextmanager
 def read_only_snapshot(conn: Connection) -> Iterator[None]:
     with conn.transaction():
@@ -651,6 +727,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_dsn_argument(ready_parser)
     ready_parser.add_argument(
         "--with-ai", action="store_true", help="also check the ql3_ai feature stream"
+    )
+    ready_parser.add_argument(
+        "--require-sync-standby",
+        action="store_true",
+        default=None,
+        help="exit 1 unless a synchronous standby is connected and commits wait for it "
+        f"(env {REQUIRE_SYNC_STANDBY_VARIABLE}=1)",
     )
     ready_parser.set_defaults(func=run_ready_command)
 
@@ -734,7 +817,26 @@ def run_ready_command(args: argparse.Namespace) -> int:
         return 1
     # Table names come from the database: a stray table's name may hold ESC.
     print("\n".join(escape_controls(line) for line in report.describe().splitlines()))
+    offered = _reporting_errors("ready", lambda: durability(dsn), args)
+    if offered is None:
+        return 1
+    print(escape_controls(offered.describe()))
+    problem = offered.problem()
+    if problem is not None and _require_sync_standby(args):
+        print(
+            f"error: ql3 ready: {escape_controls(problem)} (--require-sync-standby)",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if report.ok else 1
+
+
+def _require_sync_standby(args: argparse.Namespace) -> bool:
+    """``--require-sync-standby``, else ``QL3_REQUIRE_SYNC_STANDBY`` (1, true, yes, on)."""
+    if getattr(args, "require_sync_standby", None):
+        return True
+    value = os.environ.get(REQUIRE_SYNC_STANDBY_VARIABLE, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 _Result = TypeVar("_Result")

@@ -22,6 +22,11 @@ and published.
 The heartbeat on ``<prefix>:__heartbeat__`` is published only while this relay can claim
 from PostgreSQL and publish to Redis, so a worker that stops hearing it knows that its
 invalidation feed cannot be trusted (SPEC section 8, degraded mode).
+
+Redis Sentinel and Cluster (``ql3.redis_links``, D52, D53): behind Sentinel nothing
+changes but how the master is found. On a Cluster each event is SPUBLISHed on its
+project's shard (one pipeline per batch; no script, which could not span slots), and the
+heartbeat goes to every master.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -46,14 +52,13 @@ from operator import itemgetter
 from typing import Any, TypeVar
 
 import psycopg
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from psycopg.conninfo import make_conninfo
-from redis.asyncio.connection import parse_url
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
+
+from ql3 import pooler, redis_links
 
 # The channels and the message are ql3.channels (shared with the edge relay), re-exported.
 from ql3.channels import DEFAULT_CHANNEL_PREFIX as DEFAULT_CHANNEL_PREFIX
@@ -95,15 +100,18 @@ def reraise_if_cancelled() -> None:
 
 
 # The claim, projected to what a message needs: UUIDs and created_at as text made by the
-# server (cheaper than Python objects), in the column order ``event_payload`` reads.
+# server (cheaper than Python objects), in the column order ``event_payload`` reads, each
+# row with the database's failover epoch (D48). One row with a NULL seq when nothing was
+# claimed: an idle relay still learns the epoch its heartbeats carry.
 CLAIM_SQL = """
 SELECT o.seq, o.event_id::text, o.event_type, o.project_id, o.contract_family, o.contract_id,
        o.old_revision_id::text, o.new_revision_id::text, o.pointer_version,
-       to_char(o.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-FROM ql3.claim_outbox(%s::integer) AS o
+       to_char(o.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), e.epoch
+FROM ql3.failover_epoch() AS e (epoch)
+LEFT JOIN ql3.claim_outbox(%s::integer) AS o ON true
 """
 
-ClaimedRow = tuple[int, str, str, str, str, str, str | None, str, int, str]
+ClaimedRow = tuple[int, str, str, str, str, str, str | None, str, int, str, str]
 
 
 def event_payload(row: ClaimedRow) -> str:
@@ -112,14 +120,15 @@ def event_payload(row: ClaimedRow) -> str:
     Strings go through the encoder ``json.dumps`` itself uses; UUIDs and the timestamp
     need no escaping.
     """
-    seq, event_id, event_type, project_id, family, contract_id, old, new, version, created = row
+    seq, event_id, event_type, project, family, contract, old, new, version, created, epoch = row
     enc = encode_basestring_ascii
     old_text = "null" if old is None else f'"{old}"'
     return (
         f'{{"seq": {seq}, "event_id": "{event_id}", "event_type": {enc(event_type)}, '
-        f'"project_id": {enc(project_id)}, "contract_family": {enc(family)}, '
-        f'"contract_id": {enc(contract_id)}, "old_revision_id": {old_text}, '
-        f'"new_revision_id": "{new}", "pointer_version": {version}, "created_at": "{created}"}}'
+        f'"project_id": {enc(project)}, "contract_family": {enc(family)}, '
+        f'"contract_id": {enc(contract)}, "old_revision_id": {old_text}, '
+        f'"new_revision_id": "{new}", "pointer_version": {version}, "created_at": "{created}", '
+        f'"failover_epoch": {enc(epoch)}}}'
     )
 
 
@@ -155,19 +164,15 @@ def publish_args(channel_prefix: str, rows: Sequence[ClaimedRow]) -> list[str]:
     return args
 
 
-def make_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:
+def make_redis(url: str, *, timeout: float = 5.0) -> redis_links.AnyRedis:
     """A Redis client whose failures surface at once (ql3 does its own backoff).
 
     Any URL redis-py accepts works: ``redis://:password@host/0``, ``rediss://`` for TLS
-    (``?ssl_ca_certs=...`` or ``?ssl_cert_reqs=none`` in the query string), ``unix://``.
+    (``?ssl_ca_certs=...`` or ``?ssl_cert_reqs=none`` in the query string), ``unix://``;
+    and ``redis+sentinel://host:port[,host:port]/master_name`` and
+    ``redis+cluster://host:port[,host:port]`` (``ql3.redis_links``, D52).
     """
-    client: aioredis.Redis = aioredis.Redis.from_url(
-        url,
-        socket_connect_timeout=timeout,
-        socket_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-    )
-    return client
+    return redis_links.make_client(url, timeout=timeout)
 
 
 def _log(level: int, event: str, **fields: Any) -> None:
@@ -214,7 +219,7 @@ class RelayConfig:
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
         try:
-            parse_url(self.redis_url)  # also refuses a port that is not an integer 0..65535
+            redis_links.parse(self.redis_url)  # also refuses a port that is not 0..65535
         except ValueError as exc:
             raise ValueError(
                 f"redis_url: {redact_url(self.redis_url)!r} is not a Redis URL: {exc}"
@@ -263,7 +268,14 @@ class RelayMetrics:
         )
         self.listening = Gauge(
             "ql3_relay_listening",
-            "1 while the LISTEN connection is up; 0 means events wait for the poll.",
+            "1 while the LISTEN connection is up and a NOTIFY of the relay's own reached it; "
+            "0 means events wait for the poll.",
+            registry=registry,
+        )
+        self.polling = Gauge(
+            "ql3_relay_polling",
+            "1 while the LISTEN connection is up but a NOTIFY of the relay's own did not "
+            "reach it (a transaction pooler on the listen DSN): events wait for the poll.",
             registry=registry,
         )
         self.published = Counter(
@@ -393,8 +405,10 @@ class Relay:
         self._work: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._work2: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._listener: asyncio.Task[None] | None = None
-        self._listening = False
-        self._redis: aioredis.Redis | None = None
+        self._listening = False  # LISTEN is up and a NOTIFY of our own came back
+        self._polling = False  # LISTEN is up but the check's NOTIFY did not come back
+        self._check_channel = f"ql3_relay_check_{uuid.uuid4().hex}"
+        self._redis: redis_links.AnyRedis | None = None
         self._publish_script: AsyncScript | None = None
         self._task: asyncio.Task[None] | None = None
         self._http: StatusServer | None = None
@@ -407,6 +421,9 @@ class Relay:
         self._last_cycle_at: float | None = None
         self._last_backlog_at = 0.0
         self._in_flight: set[_Deadline] = set()  # database calls on the work connections
+        # The failover epoch of the last claim (D48), which heartbeats carry; None while
+        # the work connections are down, when no heartbeat goes out.
+        self._epoch: str | None = None
         self.metrics_port: int | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -505,7 +522,8 @@ class Relay:
                 if self._work is None:
                     await self._connect_pg()
                 self._wake.clear()
-                listened = self._listening  # this drain is the sweep after a LISTEN
+                # This drain is the sweep after a LISTEN whose check is done.
+                listened = self._listening or self._polling
                 try:
                     await self._drain()
                 except RedisUnavailable:
@@ -617,9 +635,10 @@ class Relay:
         keepalive settings the conninfo does not make are ours (``ql3.db.KEEPALIVES``;
         tcp_user_timeout follows postgres_timeout)."""
         ours = tcp_settings(conninfo, self.config.postgres_timeout)
-        return await psycopg.AsyncConnection.connect(
+        return await pooler.AsyncConnection.connect(
             make_conninfo(conninfo, **ours),
             autocommit=True,
+            prepare_threshold=pooler.prepare_threshold(),
             connect_timeout=5,
             application_name=application_name,
             options=with_options(conninfo, options),
@@ -662,35 +681,84 @@ class Relay:
                     self.config.listen_dsn or self.config.dsn, LISTEN_APPLICATION_NAME
                 )
                 await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                self._listening = True
-                self.metrics.listening.set(1)
+                await conn.execute(f"LISTEN {self._check_channel}")
                 if listened_before:
                     self.metrics.reconnects.labels(target="postgres").inc()
                     _log(logging.INFO, "listen_reconnected", relay_id=self.relay_id)
                 listened_before = True
                 failures = 0
+                await self._check_delivery(conn)
                 self._wake.set()
                 while not self._stop.is_set():
-                    async for _ in conn.notifies(timeout=self.config.listen_probe_interval):
-                        self._wake.set()
+                    async for n in conn.notifies(timeout=self.config.listen_probe_interval):
+                        if n.channel == NOTIFY_CHANNEL:
+                            self._wake.set()
                     await self._probe_listen(conn)
+                    await self._check_delivery(conn)
             except Exception as exc:
                 reraise_if_cancelled()
                 failures += 1
                 _log(
                     logging.WARNING,
-                    "listen_lost" if self._listening else "listen_failed",
+                    "listen_lost" if self._listening or self._polling else "listen_failed",
                     relay_id=self.relay_id,
                     error=describe_error(exc),
                     attempt=failures,
                 )
             finally:
-                self._listening = False
-                self.metrics.listening.set(0)
+                self._set_listening(False, None)
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         await conn.close()
             await self._sleep(self._backoff(failures))
+
+    async def _check_delivery(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Sends a NOTIFY of its own, on a new connection to the work DSN (where writers'
+        wakes come from), and waits for it on the LISTEN connection. Behind a transaction
+        pooler LISTEN registers on a server connection that is lent to someone else as
+        soon as the statement ends, and nothing arrives: the relay then says it is polling
+        (``/healthz`` ``delivery``, ``ql3_relay_polling``) and logs why. Checked after each
+        LISTEN and at every liveness probe, so it also notices a pooler put in later."""
+        nonce = uuid.uuid4().hex
+        limit = min(5.0, self.config.listen_probe_interval)
+        try:
+            sender = await self._connect(self.config.dsn, WORK_APPLICATION_NAME)
+            try:
+                notify = sender.execute("SELECT pg_notify(%s, %s)", (self._check_channel, nonce))
+                await bounded(sender, notify, limit)
+            finally:
+                await sender.close()
+        except (psycopg.Error, OSError) as exc:
+            reraise_if_cancelled()  # not sent: the check says nothing either way
+            _log(logging.WARNING, "listen_check_failed", relay_id=self.relay_id,
+                 error=describe_error(exc))  # fmt: skip
+            return
+        async for n in conn.notifies(timeout=limit):
+            if n.channel == NOTIFY_CHANNEL:
+                self._wake.set()
+            elif n.payload == nonce:
+                self._set_listening(True, None)
+                return
+        self._set_listening(
+            False,
+            f"a NOTIFY sent through the work DSN did not reach the LISTEN connection within "
+            f"{limit:g} s: connect --listen-dsn directly to PostgreSQL, not through a "
+            "transaction pooler",
+        )
+
+    def _set_listening(self, listening: bool, polling_reason: str | None) -> None:
+        """Records whether NOTIFY reaches this relay; ``polling_reason`` (logged when the
+        relay starts or stops relying on the poll) is why it does not."""
+        polling = polling_reason is not None
+        if polling and not self._polling:
+            _log(logging.WARNING, "listen_not_delivering", relay_id=self.relay_id,
+                 reason=polling_reason)  # fmt: skip
+        elif listening and self._polling:
+            _log(logging.INFO, "listen_delivering", relay_id=self.relay_id)
+        self._listening = listening
+        self._polling = polling
+        self.metrics.listening.set(1 if listening else 0)
+        self.metrics.polling.set(1 if polling else 0)
 
     async def _probe_listen(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Raises ``_ListenerLost`` unless the LISTEN connection answers a SELECT 1 in time."""
@@ -706,8 +774,9 @@ class Relay:
                 with contextlib.suppress(Exception):
                     await conn.close()
         self._work = self._work2 = None
+        self._epoch = None  # the next claim may reach another server (a promoted one)
 
-    def _redis_client(self) -> aioredis.Redis:
+    def _redis_client(self) -> redis_links.AnyRedis:
         if self._redis is None:
             self._redis = make_redis(self.config.redis_url, timeout=self.config.redis_timeout)
         return self._redis
@@ -744,11 +813,16 @@ class Relay:
     async def _claim(self, conn: psycopg.AsyncConnection[Any]) -> list[ClaimedRow]:
         """BEGIN and claim a batch; the transaction stays open until ``_settle``."""
 
+        settings = pooler.local_settings(conn)
+
         async def begin_and_claim() -> list[ClaimedRow]:
             await conn.execute("BEGIN")
+            if settings is not None:  # behind a transaction pooler (ql3.pooler)
+                await conn.execute(settings)
             cur = await conn.execute(CLAIM_SQL, (self.config.batch,))
             rows: list[ClaimedRow] = await cur.fetchall()
-            return rows
+            self._epoch = rows[0][-1]  # CLAIM_SQL always returns a row
+            return [] if rows[0][0] is None else rows
 
         try:
             return await self._bounded(conn, begin_and_claim())
@@ -865,6 +939,14 @@ class Relay:
             await self._publish_many(rows)
 
     async def _publish_many(self, rows: Sequence[ClaimedRow]) -> None:
+        client = self._redis_client()
+        if isinstance(client, RedisCluster):
+            # No script on a Cluster: one touching channels of several slots is refused.
+            # SPUBLISH each event on its project's shard (D52), in order per shard.
+            prefix = self.config.channel_prefix
+            messages = [(project_channel(prefix, row[3]), event_payload(row)) for row in rows]
+            await redis_links.spublish_all(client, messages)
+            return
         args = publish_args(self.config.channel_prefix, rows)
         published = await self._script()(args=args)
         if published != len(rows):
@@ -910,15 +992,17 @@ class Relay:
         warned = False
         while not self._stop.is_set():
             reraise_if_cancelled()
-            if self._pg_ok and self._cycle_recent() and not self._redis_failing:
+            epoch = self._epoch
+            if self._pg_ok and self._cycle_recent() and not self._redis_failing and epoch:
                 payload = {
                     "type": "heartbeat",
                     "relay_id": self.relay_id,
                     "seq": self.delivered_seq,
                     "at": rfc3339(datetime.now(UTC)),
+                    "failover_epoch": epoch,  # of the database it claims from (D48)
                 }
                 try:
-                    await self._redis_client().publish(channel, json.dumps(payload))
+                    await self._publish_heartbeat(channel, json.dumps(payload))
                 except REDIS_ERRORS as exc:
                     reraise_if_cancelled()
                     self._redis_ok = False
@@ -937,11 +1021,24 @@ class Relay:
                     self.metrics.heartbeats.inc()
             await self._sleep(self.config.heartbeat_interval)
 
+    async def _publish_heartbeat(self, channel: str, message: str) -> None:
+        """PUBLISH a heartbeat; on a Cluster, SPUBLISH it to every master, on the heartbeat
+        channel of its lowest slot, which the caches listening there hear (D53)."""
+        client = self._redis_client()
+        if not isinstance(client, RedisCluster):
+            await client.publish(channel, message)
+            return
+        await client.initialize()  # a no-op once the slot map is known
+        prefix = self.config.channel_prefix
+        channels = redis_links.shard_heartbeat_channels(client, prefix)
+        await redis_links.spublish_all(client, [(c, message) for c in channels])
+
     def health(self) -> dict[str, Any]:
         """What /healthz reports; ``status`` is ``ok`` only when both servers work.
         ``postgres`` and ``redis`` are None (JSON null) until the server was first tried.
 
-        ``listening`` false (the LISTEN connection is down) does not make it unhealthy:
+        ``listening`` false (the LISTEN connection is down, or a NOTIFY of the relay's own
+        did not reach it: ``delivery`` is then ``polling``) does not make it unhealthy:
         events still flow, at the poll's pace. Called from the status server's threads: it
         only reads.
         """
@@ -953,6 +1050,7 @@ class Relay:
             "postgres": self._pg_ok,
             "redis": self._redis_ok,
             "listening": self._listening,
+            "delivery": "listen" if self._listening else "polling",
             "last_cycle_age_seconds": age,
             "delivered_seq": self.delivered_seq,
             "published": self.published,
@@ -983,7 +1081,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--listen-dsn",
         help="direct (not pooled) conninfo for LISTEN (env QL3_RELAY_LISTEN_DSN; default: --dsn)",
     )
-    a("--redis-url", help="redis://[:password@]host:port/db or rediss:// (env QL3_REDIS_URL)")
+    a(
+        "--redis-url",
+        help="redis://[:password@]host:port/db, rediss://, "
+        "redis+sentinel://host:port[,host:port]/master_name or "
+        "redis+cluster://host:port[,host:port] (env QL3_REDIS_URL)",
+    )
     a(
         "--channel-prefix",
         help="Redis channel prefix (env QL3_RELAY_CHANNEL_PREFIX; "

@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from ql3 import arguments, errors
+from ql3 import arguments, errors, pooler
 from ql3.db import Timeouts, connect, make_pool, translated
 from ql3.db_guard import bounded, checked_out
 from ql3.invocations import as_utc, recovery_arguments
@@ -86,21 +86,32 @@ def _call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> R
     ``ql3.wake_relays()`` in a transaction of its own (D25); the call's first row, or None.
 
     A failed call skips the rest of the pipeline (no COMMIT, no wake); its aborted
-    transaction is rolled back as the error leaves the pool's connection block. A failed
+    transaction is rolled back as the error leaves the pool's connection block. A lost
+    connection with the COMMIT queued is ``OutcomeUnknown`` (D49). A failed
     wake after a COMMIT that succeeded is logged and the committed row returned. The wake
     is sent even when the call changes nothing: the relays then find nothing to claim.
     """
+    settings = pooler.local_settings(conn)
     with conn.cursor(row_factory=dict_row) as call:
         commit = None
         try:
             with conn.pipeline():
                 conn.execute("BEGIN")
+                if settings is not None:  # behind a transaction pooler (ql3.pooler)
+                    conn.execute(settings)
                 call.execute(sql, params)
                 commit = conn.execute("COMMIT")
                 conn.execute(_WAKE_SQL)
         except psycopg.Error as exc:
+            if commit is not None and commit.statusmessage != "COMMIT" and not exc.sqlstate:
+                # The COMMIT was queued and no server answered the pipeline: the connection
+                # failed with it on the way, and it may have committed (D49).
+                raise errors.OutcomeUnknown(
+                    "QL3_UNAVAILABLE: the connection failed after the call and its COMMIT "
+                    f"were sent; the call's outcome is unknown: {str(exc).strip()}"
+                ) from exc
             if commit is None or commit.statusmessage != "COMMIT":
-                raise  # the call failed, or its COMMIT's outcome is unknown
+                raise  # the call failed (translated), or its COMMIT's outcome is unknown
             _wake_failed(exc)
         return call.fetchone()
 
@@ -178,7 +189,7 @@ class PgStore:
     @staticmethod
     def _rows_on(conn: Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
         with conn.cursor(row_factory=dict_row) as cur:
-            cur.execute(sql, params)
+            pooler.execute(conn, cur, sql, params)
             return list(cur.fetchall())
 
     def _row(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
@@ -186,8 +197,9 @@ class PgStore:
         return rows[0] if rows else None
 
     def _value(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        with self.connection() as conn:
-            found = conn.execute(sql, params).fetchone()
+        with self.connection() as conn, conn.cursor() as cur:
+            pooler.execute(conn, cur, sql, params)
+            found = cur.fetchone()
             return None if found is None else found[0]
 
     # -- contract revisions ---------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from ql3 import arguments
+from ql3 import arguments, pooler
 from ql3.db import Timeouts, make_async_pool, translated
 from ql3.db_guard import bounded_async, checked_out_async
 from ql3.invocations import recovery_arguments
@@ -77,7 +77,8 @@ class AsyncPgStore:
         with translated():
             async with checked_out_async(self.pool.connection) as conn:
                 async with bounded_async(self._call_limit):
-                    cur = await conn.execute(sql, params)
+                    cur = conn.cursor()
+                    await pooler.execute_async(conn, cur, sql, params)
                     found = await cur.fetchone()
                     if not conn.autocommit:  # a transactional pool passed in
                         await conn.commit()

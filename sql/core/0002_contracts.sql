@@ -874,6 +874,33 @@ $$;
 COMMENT ON FUNCTION ql3.outbox_backlog() IS
 'Undelivered outbox rows, the age in seconds of the oldest one (0 when none), and the highest seq.';
 
+-- The failover epoch (D48): which history of the data this server holds. A promotion starts
+-- a new timeline, a restore a new timeline or cluster, a database recreated from a dump a
+-- new database oid; across any of them pointer_versions and outbox seqs may go backwards or
+-- be reused with other content, so the relay puts the epoch in every message and heartbeat
+-- and a cache that sees it change re-reads what it holds. On a primary the timeline is the
+-- one WAL is written on (pg_control's checkpoint timeline lags a promotion until the next
+-- checkpoint); a standby, where WAL cannot be named, reports its last checkpoint's.
+CREATE FUNCTION ql3.failover_epoch() RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, ql3
+AS $$
+DECLARE
+    timeline bigint;
+BEGIN
+    IF pg_is_in_recovery() THEN
+        SELECT c.timeline_id INTO timeline FROM pg_control_checkpoint() AS c;
+    ELSE
+        timeline := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint;
+    END IF;
+    RETURN (SELECT s.system_identifier FROM pg_control_system() AS s)::text || '/' || timeline::text
+        || '/' || (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database())::text;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.failover_epoch() IS
+'system_identifier/timeline/database oid: changes on promotion, restore or a recreated database (D48).';
+
 -- Grants (SPEC section 5, D46). The functions are the only writers: each one that writes
 -- runs as ql3_owner (SECURITY DEFINER, search_path pinned with pg_temp last), and no other
 -- role holds INSERT, UPDATE, DELETE or TRUNCATE on any table, or EXECUTE on a `_` helper.
@@ -905,6 +932,8 @@ ql3.outbox_backlog() TO ql3_reader;
 -- Project isolation (D47): every role may ask what it may act on; operators map projects.
 GRANT EXECUTE ON FUNCTION ql3.may_act_on(text), ql3.visible_projects()
 TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;
+-- The failover epoch (D48): relays stamp it on messages, caches compare it with theirs.
+GRANT EXECUTE ON FUNCTION ql3.failover_epoch() TO ql3_runtime, ql3_relay, ql3_operator, ql3_reader;
 GRANT EXECUTE ON FUNCTION ql3.grant_project(name, text), ql3.revoke_project(name, text) TO ql3_operator;
 GRANT SELECT ON ql3.project_grants TO ql3_operator;
 

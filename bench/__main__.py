@@ -26,6 +26,7 @@ from bench import (
     edge_pairs,
     gateway_overhead,
     pairs,
+    prepared,  # issue 21: what the pooler-safe default (no prepared statements) costs
     privilege_ab,  # issue 20: the cost of D46's privilege switch, A/B
     propagation,
     relay_drain,
@@ -41,6 +42,7 @@ BENCHMARKS: Mapping[str, Callable[[Settings], Result]] = {
     "pairs": pairs.run,
     "edge_pairs": edge_pairs.run,
     "gateway_overhead": gateway_overhead.run,
+    "prepared": prepared.run,
     # A/B of the SQL before and after D46 (issue 20), in one run on one server.
     "privilege_ab": privilege_ab.run,
 }

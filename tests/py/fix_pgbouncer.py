@@ -1,0 +1,119 @@
+"""Debian's PgBouncer in transaction pooling mode, in front of the test cluster.
+
+``pgbouncer`` starts one (session-wide, per configuration) and returns a function that
+turns a DSN of the test cluster into the same DSN through the pooler. Two configurations
+matter: PgBouncer's default, which refuses the ``options`` startup parameter, and
+``ignore_startup_parameters = options``, which accepts and drops it. The server pool is
+small (``SERVER_POOL`` server connections per user and database) so that clients share
+server connections, as they do in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from fix_servers import LOGIN_ROLES
+from ql3.devservers import _wait_port, free_port
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+SERVER_POOL = 4
+Through = Callable[[str], str]
+
+
+def _config(pg_host: str, pg_port: int, port: int, root: Path, ignore_options: bool) -> str:
+    ignored = "extra_float_digits,options" if ignore_options else "extra_float_digits"
+    return f"""
+[databases]
+* = host={pg_host} port={pg_port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {root}/users.txt
+pool_mode = transaction
+default_pool_size = {SERVER_POOL}
+max_client_conn = 1000
+ignore_startup_parameters = {ignored}
+logfile = {root}/pgbouncer.log
+pidfile = {root}/pgbouncer.pid
+admin_users = postgres
+"""
+
+
+def _start(base_dsn: str, ignore_options: bool) -> tuple[subprocess.Popen[bytes], int, Path]:
+    params = conninfo_to_dict(base_dsn)
+    root = Path(tempfile.mkdtemp(prefix="ql3-pgbouncer-"))
+    users = ["postgres", *(f"ql3_test_{role}" for role in LOGIN_ROLES)]
+    (root / "users.txt").write_text("".join(f'"{user}" ""\n' for user in users))
+    port = free_port()
+    pg_host = str(params.get("host", "127.0.0.1"))
+    pg_port = int(str(params.get("port", 5432)))
+    (root / "pgbouncer.ini").write_text(_config(pg_host, pg_port, port, root, ignore_options))
+    command = [PGBOUNCER, str(root / "pgbouncer.ini")]
+    if os.geteuid() == 0:  # PgBouncer refuses to run as root
+        pg = pwd.getpwnam("postgres")
+        for path in (root, *root.iterdir()):
+            os.chown(path, pg.pw_uid, pg.pw_gid)
+        command = ["runuser", "-u", "postgres", "--", *command]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, 15.0)
+    except RuntimeError:
+        process.kill()
+        log = (root / "pgbouncer.log").read_text() if (root / "pgbouncer.log").exists() else ""
+        raise RuntimeError(f"pgbouncer did not start: {log[-2000:]}") from None
+    return process, port, root
+
+
+@pytest.fixture(scope="session")
+def pgbouncers(base_dsn: str, migrated_template: str) -> Iterator[dict[str, Through]]:
+    """{"default": through, "ignore_options": through}: each maps a test-cluster DSN to the
+    same DSN through a PgBouncer in transaction mode with that configuration. Depends on
+    ``migrated_template``, which creates the login roles the auth file lists."""
+    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+    throughs: dict[str, Through] = {}
+    try:
+        for name, ignore in (("default", False), ("ignore_options", True)):
+            process, port, root = _start(base_dsn, ignore)
+            started.append((process, root))
+            throughs[name] = _through(port)
+        yield throughs
+    finally:
+        for process, root in started:
+            _stop(process, root)
+
+
+def _stop(process: subprocess.Popen[bytes], root: Path) -> None:
+    """SIGINT to PgBouncer itself (runuser does not forward signals): a safe shutdown."""
+    pidfile = root / "pgbouncer.pid"
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pidfile.read_text().strip()), signal.SIGINT)
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
+        process.kill()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _through(port: int) -> Through:
+    def through(dsn: str) -> str:
+        params = conninfo_to_dict(dsn)
+        params.update(host="127.0.0.1", port=str(port))
+        return make_conninfo(**params)  # type: ignore[arg-type]
+
+    return through

@@ -855,6 +855,7 @@ def test_lost_commit_response_is_audit_unavailable_then_existing_then_recovered_
     run(scenario())
     [error] = failure
     assert (error.phase, error.cause_code) == ("admission", "QL3_UNAVAILABLE")
+    assert error.cause_outcome == "committed"  # the gateway's replay found it written (D49)
     assert world.provider.calls == 0
     assert world.ops.admit_invocation(error.command)["status"] == "existing"
     assert world.step()["status"] == "running"

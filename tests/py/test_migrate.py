@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ql3.migrate import (
     MIGRATION_LOCK_KEY,
     OWNED_TABLES,
     Applied,
+    Durability,
     expected_tables,
     load_stream,
     migrate,
@@ -864,7 +866,50 @@ def test_cli_ready_exits_0_and_says_ready(
     capsys.readouterr()
 
     assert run_cli("ready", "--dsn", dsn, "--with-ai") == 0
-    assert capsys.readouterr().out == "ready\n"
+    first, durability_line, end = capsys.readouterr().out.split("\n")
+    assert (first, end) == ("ready", "")
+    assert durability_line.startswith("durability: synchronous_commit=")
+
+
+def test_cli_ready_reports_that_no_synchronous_standby_is_connected(
+    dsn: str, cli_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The test server has no standby: ready says what that costs and, only when asked to
+    require one, fails (D49)."""
+    run_cli("migrate", "--dsn", dsn, "--with-ai")
+    capsys.readouterr()
+    assert run_cli("ready", "--dsn", dsn, "--with-ai") == 0
+    out = capsys.readouterr().out
+    assert "sync_standbys=0" in out and "synchronous_standby_names=(none)" in out
+    assert "no synchronous standby is connected" in out and "can be lost" in out
+
+    assert run_cli("ready", "--dsn", dsn, "--with-ai", "--require-sync-standby") == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "error: ql3 ready: no synchronous standby is connected (--require-sync-standby)\n"
+    )
+
+
+def test_the_require_sync_standby_variable_fails_ready_as_the_flag_does(
+    dsn: str, cli_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_cli("migrate", "--dsn", dsn, "--with-ai")
+    monkeypatch.setenv("QL3_REQUIRE_SYNC_STANDBY", "1")
+    assert run_cli("ready", "--dsn", dsn, "--with-ai") == 1
+    monkeypatch.setenv("QL3_REQUIRE_SYNC_STANDBY", "0")
+    assert run_cli("ready", "--dsn", dsn, "--with-ai") == 0
+
+
+def test_durability_counts_only_what_makes_commits_wait() -> None:
+    waiting = Durability(
+        synchronous_commit="on", synchronous_standby_names="FIRST 1 (s1)", sync_standbys=1
+    )
+    assert waiting.problem() is None and waiting.commits_wait
+    assert "on a synchronous standby too" in waiting.describe()
+    local = replace(waiting, synchronous_commit="local")
+    assert local.problem() == "synchronous_commit is local: commits do not wait"
+    hidden = replace(waiting, sync_standbys=None)
+    assert "pg_monitor" in str(hidden.problem()) and "sync_standbys=unknown" in hidden.describe()
 
 
 def test_cli_ready_exits_1_and_prints_the_differences(
@@ -887,7 +932,9 @@ def test_ql3_ready_works_for_a_login_in_each_group_role(
 ) -> None:
     for with_ai in ([], ["--with-ai"]):
         assert cli.main(["ready", "--dsn", role_dsn(db_dsn, role), *with_ai]) == 0
-        assert capsys.readouterr() == ("ready\n", "")
+        out, err = capsys.readouterr()
+        assert (out.split("\n")[0], err) == ("ready", "")
+        assert "sync_standbys=0" in out  # every group role sees the walsenders (D49)
 
 
 def test_cli_ready_escapes_control_characters_in_table_names(

@@ -61,6 +61,16 @@ EVENT_FIELDS = {
     "pointer_version",
     "created_at",
 }
+
+
+async def database_epoch(conn: psycopg.AsyncConnection[Any]) -> str:
+    """The failover epoch the database reports (D48)."""
+    cur = await conn.execute("SELECT ql3.failover_epoch()")
+    row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
 RFC3339_MICROS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 
 
@@ -352,8 +362,10 @@ def test_every_activation_is_published_once_in_seq_order_as_the_relay_role(
             await until_backlog_empty(db, 5)
             assert [e["seq"] for e in sub.events] == [w["seq"] for w in written]
             assert relay.published == 30
+            epoch = await database_epoch(conn)
             for event, w in zip(sub.events, written, strict=True):
-                assert set(event) == EVENT_FIELDS
+                assert set(event) == EVENT_FIELDS | {"failover_epoch"}
+                assert event["failover_epoch"] == epoch  # D48
                 assert event["event_type"] == "revision_activated"
                 assert event["new_revision_id"] == w["revision_id"]
                 assert event["pointer_version"] == w["pointer_version"]
@@ -490,6 +502,7 @@ def test_heartbeat_carries_the_highest_delivered_seq(db: str, redis_url: str, pr
             beat = sub.heartbeats[-1]
             assert beat["type"] == "heartbeat" and beat["relay_id"] == "hb"
             assert RFC3339_MICROS.match(beat["at"])
+            assert beat["failover_epoch"] == await database_epoch(conn)  # D48
 
     run(scenario())
 

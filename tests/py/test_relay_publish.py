@@ -58,6 +58,7 @@ def as_tuple(row: dict[str, Any]) -> ClaimedRow:
         str(row["new_revision_id"]),
         row["pointer_version"],
         row["created_at"].astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        row["failover_epoch"],
     )
 
 
@@ -71,6 +72,7 @@ def as_tuple(row: dict[str, Any]) -> ClaimedRow:
     old=st.none() | st.uuids(),
     new=st.uuids(),
     version=st.integers(min_value=1, max_value=2**63 - 1),
+    epoch=st.text(min_size=1),
     created=st.datetimes(
         min_value=datetime(2000, 1, 1),
         timezones=st.sampled_from([UTC, timezone(timedelta(hours=5, minutes=30))]),
@@ -85,6 +87,7 @@ def test_event_payload_is_json_dumps_of_event_message_byte_for_byte(
     old: uuid.UUID | None,
     new: uuid.UUID,
     version: int,
+    epoch: str,
     created: datetime,
 ) -> None:
     row = {
@@ -98,6 +101,7 @@ def test_event_payload_is_json_dumps_of_event_message_byte_for_byte(
         "new_revision_id": new,
         "pointer_version": version,
         "created_at": created,
+        "failover_epoch": epoch,
     }
     payload = event_payload(as_tuple(row))
     assert payload == json.dumps(event_message(row))
@@ -107,7 +111,7 @@ def test_event_payload_is_json_dumps_of_event_message_byte_for_byte(
 def test_publish_args_code_channels_in_runs_and_keep_order() -> None:
     def row(seq: int, project: str) -> ClaimedRow:
         return (seq, str(uuid.UUID(int=seq)), "revision_activated", project, "f", "c", None,
-                str(uuid.UUID(int=0)), 1, "2026-12-02T12:00:00.000000Z")  # fmt: skip
+                str(uuid.UUID(int=0)), 1, "2026-12-02T12:00:00.000000Z", "1/1/1")  # fmt: skip
 
     rows = [row(1, "a"), row(2, "a"), row(3, "b\nb"), row(4, "a"), row(5, "a"), row(6, "a")]
     args = publish_args("pre", rows)
@@ -145,6 +149,7 @@ def test_redis_replies_are_parsed_in_c_by_hiredis(redis_url: str) -> None:
 
     async def scenario() -> None:
         client = make_redis(redis_url)
+        assert isinstance(client, aioredis.Redis)  # one server, not a Cluster (D52)
         try:
             conn = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]  # untyped in redis-py
             try:
@@ -188,13 +193,28 @@ def test_claimed_rows_carry_the_outbox_values_whatever_the_session_time_zone(db:
         with conn.transaction():
             claimed = conn.execute(CLAIM_SQL, (100,)).fetchall()
         with conn.cursor(row_factory=dict_row) as cur:
-            cur.execute("SELECT * FROM ql3.contract_outbox ORDER BY seq")
+            cur.execute(
+                "SELECT *, ql3.failover_epoch() AS failover_epoch"
+                " FROM ql3.contract_outbox ORDER BY seq"
+            )
             rows = cur.fetchall()
     assert len(claimed) == len(rows) == 5
     for tup, row in zip(claimed, rows, strict=True):
         assert event_payload(tup) == json.dumps(event_message(row))
     assert json.loads(event_payload(claimed[-1]))["created_at"] == "2026-12-02T23:30:00.000000Z"
     assert [r["old_revision_id"] is None for r in rows] == [True, False, True, True, True]
+
+
+def test_an_empty_claim_still_returns_the_failover_epoch(db: str) -> None:
+    """An idle relay learns the epoch its heartbeats carry from its empty claims (D48)."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        epoch_row = conn.execute("SELECT ql3.failover_epoch()").fetchone()
+        with conn.transaction():
+            claimed = conn.execute(CLAIM_SQL, (100,)).fetchall()
+    assert epoch_row is not None
+    system_identifier, timeline, database_oid = epoch_row[0].split("/")
+    assert int(system_identifier) > 0 and int(timeline) >= 1 and int(database_oid) > 0
+    assert claimed == [(None,) * 10 + (epoch_row[0],)]
 
 
 def test_odd_project_ids_reach_their_own_channels_in_seq_order(db: str, redis_url: str) -> None:

@@ -1,0 +1,172 @@
+"""``QL3_UNAVAILABLE`` says whether the call took effect (D49): ``NotSent`` (nothing reached
+PostgreSQL), ``OutcomeUnknown`` (sent, no answer: it may have committed) and plain
+``Unavailable`` (PostgreSQL refused it and rolled it back), against real PostgreSQL and a
+TCP proxy that can lose a COMMIT's answer or swallow a connection.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import psycopg
+import pytest
+
+from fix_provider import provider  # noqa: F401  (a fixture of the world fixture)
+from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
+from ql3 import errors
+from ql3.db import Timeouts, translate
+from ql3.gateway import ModelAuditUnavailable
+from ql3.store import PgStore
+from test_gateway import (  # noqa: F401  (world is a fixture)
+    World,
+    close_store,
+    harness,
+    make_store,
+    run,
+    world,
+)
+
+KEY = ("proj", "policy_routing", "routing")
+
+
+def closed_port_dsn(dsn: str) -> str:
+    """``dsn`` rerouted to a local port nobody listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(port))
+
+
+def test_the_three_unavailable_outcomes_share_one_code() -> None:
+    for cls, outcome in (
+        (errors.NotSent, "not_sent"),
+        (errors.OutcomeUnknown, "unknown"),
+        (errors.Unavailable, "rolled_back"),
+    ):
+        error = cls("QL3_UNAVAILABLE: x")
+        assert isinstance(error, errors.Unavailable)
+        assert (error.code, error.outcome) == ("QL3_UNAVAILABLE", outcome)
+
+
+def test_a_pool_that_cannot_connect_has_sent_nothing(db_dsn: str) -> None:
+    with (
+        PgStore(closed_port_dsn(db_dsn), timeouts=Timeouts(connect_s=1)) as store,
+        pytest.raises(errors.NotSent) as caught,
+    ):
+        store.active_revision(*KEY)
+    assert caught.value.outcome == "not_sent"
+
+
+def test_a_connection_that_cannot_be_opened_has_sent_nothing(db_dsn: str) -> None:
+    with pytest.raises(errors.NotSent, match="nothing was sent"):
+        PgStore.checked(closed_port_dsn(db_dsn), timeouts=Timeouts(connect_s=1))
+
+
+def test_a_call_given_up_unanswered_has_an_unknown_outcome(
+    db_dsn: str,
+    pg_proxy: PgProxy,  # noqa: F811
+) -> None:
+    with PgStore(pg_proxy.dsn(db_dsn), timeouts=Timeouts(call_s=0.5)) as store:
+        assert store.active_revision(*KEY) is None
+        pg_proxy.freeze()
+        with pytest.raises(errors.OutcomeUnknown, match="outcome is unknown"):
+            store.active_revision(*KEY)
+
+
+def test_a_lost_commit_answer_of_an_activation_has_an_unknown_outcome_and_committed(
+    db_dsn: str,
+    pg_proxy: PgProxy,  # noqa: F811
+) -> None:
+    with PgStore(pg_proxy.dsn(db_dsn)) as store:
+        revision = store.put_revision(*KEY, {"v": 1}, "test")
+        pg_proxy.arm_commit_loss()  # the pipeline's COMMIT: BEGIN, the call, COMMIT, wake
+        with pytest.raises(errors.OutcomeUnknown, match="COMMIT were sent"):
+            store.activate_revision(*KEY, revision["revision_id"], "test")
+        assert pg_proxy.commit_lost.is_set()
+    with PgStore(db_dsn) as direct:
+        active = direct.active_revision(*KEY)
+    assert active is not None and active["revision_id"] == revision["revision_id"]
+
+
+def test_a_call_the_server_refused_was_rolled_back(db_dsn: str) -> None:
+    with (
+        PgStore(db_dsn, timeouts=Timeouts(statement_ms=100)) as store,
+        pytest.raises(errors.Unavailable) as caught,
+    ):
+        store._value("SELECT pg_sleep(2)")
+    assert type(caught.value) is errors.Unavailable
+    assert caught.value.outcome == "rolled_back" and "57014" in str(caught.value)
+
+
+def test_an_admission_never_sent_calls_no_provider(world: World) -> None:  # noqa: F811
+    call = world.call()
+    failure: list[ModelAuditUnavailable] = []
+
+    async def scenario() -> None:
+        store = make_store(world, closed_port_dsn(world.runtime_dsn), Timeouts(connect_s=1))
+        try:
+            async with harness(world, store=store) as h:
+                with pytest.raises(ModelAuditUnavailable) as caught:
+                    await h.gateway.invoke(call)
+                failure.append(caught.value)
+        finally:
+            await close_store(store)
+
+    run(scenario())
+    [error] = failure
+    assert (error.phase, error.cause_code, error.cause_outcome) == (
+        "admission",
+        "QL3_UNAVAILABLE",
+        "not_sent",
+    )
+    assert world.provider.calls == 0
+    assert world.ops.admit_invocation(error.command)["status"] == "created"  # never written
+
+
+def test_an_admission_lost_on_the_way_is_replayed_and_the_call_goes_on(
+    world: World,  # noqa: F811
+    pg_proxy: PgProxy,  # noqa: F811
+) -> None:
+    """The admission's connection is swallowed before PostgreSQL sees it: its outcome is
+    unknown, the gateway replays it on a new connection, which answers ``created``."""
+    call = world.call()
+    results: list[Any] = []
+
+    async def scenario() -> None:
+        store = make_store(world, pg_proxy.dsn(world.runtime_dsn), Timeouts(call_s=1.0))
+        try:
+            async with harness(world, store=store) as h:
+                pg_proxy.freeze()  # the pool's idle connection: the admission goes nowhere
+                results.append(await h.gateway.invoke(call))
+        finally:
+            await close_store(store)
+
+    run(scenario())
+    assert len(results) == 1 and world.provider.calls == 1
+    world.assert_settled(call.invocation_id, "succeeded", "ok")
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ("08006", errors.OutcomeUnknown),
+        ("57P01", errors.OutcomeUnknown),
+        ("40003", errors.OutcomeUnknown),
+        ("57014", errors.Unavailable),
+        ("55P03", errors.Unavailable),
+        ("40001", errors.Unavailable),
+        ("25006", errors.Unavailable),
+    ],
+)
+def test_a_transient_sqlstate_says_whether_the_call_may_have_committed(
+    db_dsn: str, state: str, expected: type[errors.Unavailable]
+) -> None:
+    with (
+        psycopg.connect(db_dsn, autocommit=True) as conn,
+        pytest.raises(psycopg.Error) as caught,
+    ):
+        conn.execute(f"DO $$BEGIN RAISE EXCEPTION USING ERRCODE = '{state}'; END$$")
+    error = translate(caught.value)
+    assert type(error) is expected and error.code == "QL3_UNAVAILABLE"
+    assert state in str(error)

@@ -17,7 +17,13 @@ from ql3.safe_text import command_secrets, error_text, json_text
 from ql3.store import PgStore
 
 # Modules that contribute subcommands; a module missing from this install is skipped.
-COMMAND_MODULES = ("ql3.migrate", "ql3.relay", "ql3.invocations_cli", "ql3.recovery")
+COMMAND_MODULES = (
+    "ql3.migrate",
+    "ql3.relay",
+    "ql3.invocations_cli",
+    "ql3.recovery",
+    "ql3.verify",
+)
 
 Handler = Callable[[argparse.Namespace], int]
 

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,14 @@ admin_users = postgres
 """
 
 
-def _start(base_dsn: str, ignore_options: bool) -> tuple[subprocess.Popen[bytes], int, Path]:
+def _start(
+    base_dsn: str, ignore_options: bool, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], int, Path]:
     params = conninfo_to_dict(base_dsn)
     root = Path(tempfile.mkdtemp(prefix="ql3-pgbouncer-"))
     users = ["postgres", *(f"ql3_test_{role}" for role in LOGIN_ROLES)]
     (root / "users.txt").write_text("".join(f'"{user}" ""\n' for user in users))
-    port = free_port()
+    port = free_port() if port is None else port
     pg_host = str(params.get("host", "127.0.0.1"))
     pg_port = int(str(params.get("port", 5432)))
     (root / "pgbouncer.ini").write_text(_config(pg_host, pg_port, port, root, ignore_options))
@@ -78,22 +81,59 @@ def _start(base_dsn: str, ignore_options: bool) -> tuple[subprocess.Popen[bytes]
     return process, port, root
 
 
+@dataclass
+class Bouncer:
+    """One running PgBouncer: its process (runuser's, when run as root) and directory."""
+
+    process: subprocess.Popen[bytes]
+    root: Path
+    port: int
+    ignore_options: bool
+
+    @property
+    def through(self) -> Through:
+        return _through(self.port)
+
+    def alive(self) -> bool:
+        """Whether PgBouncer itself still runs (runuser waits for it, so its exit says)."""
+        return self.process.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        log = self.root / "pgbouncer.log"
+        return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+
+
 @pytest.fixture(scope="session")
-def pgbouncers(base_dsn: str, migrated_template: str) -> Iterator[dict[str, Through]]:
-    """{"default": through, "ignore_options": through}: each maps a test-cluster DSN to the
-    same DSN through a PgBouncer in transaction mode with that configuration. Depends on
-    ``migrated_template``, which creates the login roles the auth file lists."""
-    started: list[tuple[subprocess.Popen[bytes], Path]] = []
-    throughs: dict[str, Through] = {}
+def bouncers(base_dsn: str, migrated_template: str) -> Iterator[dict[str, Bouncer]]:
+    """{"default": ..., "ignore_options": ...}: a PgBouncer in transaction mode with each
+    configuration. Depends on ``migrated_template``, which creates the login roles the
+    auth file lists."""
+    started: dict[str, Bouncer] = {}
     try:
         for name, ignore in (("default", False), ("ignore_options", True)):
             process, port, root = _start(base_dsn, ignore)
-            started.append((process, root))
-            throughs[name] = _through(port)
-        yield throughs
+            started[name] = Bouncer(process, root, port, ignore)
+        yield started
     finally:
-        for process, root in started:
-            _stop(process, root)
+        for bouncer in started.values():
+            _stop(bouncer.process, bouncer.root)
+
+
+@pytest.fixture
+def pgbouncers(base_dsn: str, bouncers: dict[str, Bouncer]) -> Iterator[dict[str, Through]]:
+    """{"default": through, "ignore_options": through}: each maps a test-cluster DSN to the
+    same DSN through that PgBouncer. A test after which a PgBouncer is no longer running
+    fails with the end of its log; the next test gets a new one on the same port, rather
+    than a refused connection."""
+    for bouncer in bouncers.values():
+        if not bouncer.alive():
+            _stop(bouncer.process, bouncer.root)
+            bouncer.process, _, bouncer.root = _start(
+                base_dsn, bouncer.ignore_options, bouncer.port
+            )
+    yield {name: bouncer.through for name, bouncer in bouncers.items()}
+    for name, bouncer in bouncers.items():
+        assert bouncer.alive(), f"pgbouncer {name!r} exited during the test:\n{bouncer.log_tail()}"
 
 
 def _stop(process: subprocess.Popen[bytes], root: Path) -> None:

@@ -4,11 +4,14 @@ anything is sent or written, so that a mistake fails where it is made (D40, D41)
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 import uuid
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 
-from ql3.errors import InvalidArgument
+from ql3.errors import InvalidArgument, Misconfigured
 
 
 def check_text_args(*values: object) -> None:
@@ -142,3 +145,36 @@ def check_count(name: str, value: object, low: int, high: int | None = None) -> 
             f"QL3_INVALID_ARGUMENT: {name} must be a whole number {bounds}, not {value!r}"
         )
     return value
+
+
+#: The longest duration a command line or setting may give (``--older-than``, retention).
+MAX_DURATION = timedelta(days=36500)
+# Six digits at most: 999999 weeks still fits a timedelta (more would raise OverflowError);
+# MAX_DURATION bounds the rest.
+_DURATION = re.compile(r"([0-9]{1,6})([smhdw])")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30s``, ``10m``, ``2h``, ``7d``, ``1w`` as a timedelta, at most ``MAX_DURATION``.
+    Anything else raises ``Misconfigured`` (a setting the CLI refuses with exit 2);
+    ``duration_type`` is the same for argparse."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise Misconfigured(
+            f"QL3_INVALID_ARGUMENT: {text!r} is not a duration such as 30s, 10m, 2h, 7d or 1w"
+        )
+    duration = timedelta(**{_UNITS[match[2]]: int(match[1])})
+    if duration > MAX_DURATION:
+        raise Misconfigured(f"QL3_INVALID_ARGUMENT: {text!r} is more than {MAX_DURATION.days}d")
+    return duration
+
+
+def duration_type(text: str) -> timedelta:
+    """``parse_duration`` as an argparse type: anything else is a usage error (exit 2)."""
+    try:
+        return parse_duration(text)
+    except Misconfigured as exc:
+        raise argparse.ArgumentTypeError(
+            exc.message.removeprefix("QL3_INVALID_ARGUMENT: ")
+        ) from None

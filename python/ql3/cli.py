@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "ql3.invocations_cli",
     "ql3.recovery",
     "ql3.verify",
+    "ql3.prune",
 )
 
 Handler = Callable[[argparse.Namespace], int]

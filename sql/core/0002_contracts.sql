@@ -874,6 +874,57 @@ $$;
 COMMENT ON FUNCTION ql3.outbox_backlog() IS
 'Undelivered outbox rows, the age in seconds of the oldest one (0 when none), and the highest seq.';
 
+-- Outbox retention (D55, amends D5). Removes at most p_batch delivered rows older than
+-- p_delivered_before, oldest seq first. Never an undelivered row (and the guard trigger
+-- refuses one anyway), and never a pointer's newest row: only rows whose pointer_version
+-- is below the pointer's keep it out, so `ql3 verify`'s "pointer is its last outbox row"
+-- invariant holds after a prune. SKIP LOCKED: a row a relay holds (claim_outbox, FOR
+-- UPDATE) is skipped, so a prune neither waits on a claim nor changes its order. It acts
+-- on every project, so under isolation (D47) it needs an every-project grant.
+CREATE FUNCTION ql3.prune_outbox(p_delivered_before interval, p_batch integer) RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+DECLARE
+    removed integer;
+BEGIN
+    IF p_delivered_before IS NULL OR p_delivered_before < interval '0' THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01',
+            MESSAGE = 'QL3_INVALID_ARGUMENT: delivered_before must be a non-negative interval';
+    END IF;
+    IF p_batch IS NULL OR p_batch < 1 OR p_batch > 100000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'Q3V01', MESSAGE = 'QL3_INVALID_ARGUMENT: batch must be 1..100000';
+    END IF;
+    IF NOT ql3._may_act(NULL) THEN
+        PERFORM ql3._refuse_project(NULL, 'prune the outbox of');
+    END IF;
+    WITH doomed AS (
+        SELECT o.seq FROM ql3.contract_outbox AS o
+        WHERE o.delivered_at IS NOT NULL
+          AND o.delivered_at < now() - p_delivered_before
+          AND o.pointer_version < (
+              SELECT a.pointer_version FROM ql3.active_revisions AS a
+              WHERE (a.project_id, a.contract_family, a.contract_id)
+                    = (o.project_id, o.contract_family, o.contract_id))
+        ORDER BY o.seq
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM ql3.contract_outbox AS o
+        USING doomed AS d
+        WHERE o.seq = d.seq AND o.delivered_at IS NOT NULL
+        RETURNING 1
+    )
+    SELECT count(*)::integer INTO removed FROM gone;
+    RETURN removed;
+END;
+$$;
+
+COMMENT ON FUNCTION ql3.prune_outbox(interval, integer) IS
+'Deletes up to p_batch delivered outbox rows older than p_delivered_before, oldest first, '
+'keeping each pointer''s newest row and skipping rows a relay holds; returns how many (D55).';
+
 -- The failover epoch (D48): which history of the data this server holds. A promotion starts
 -- a new timeline, a restore a new timeline or cluster, a database recreated from a dump a
 -- new database oid; across any of them pointer_versions and outbox seqs may go backwards or
@@ -923,6 +974,8 @@ GRANT EXECUTE ON FUNCTION ql3.put_revision(text, text, text, jsonb, text),
 ql3.activate_revision(text, text, text, uuid, text, uuid), ql3.revoke_revision(uuid, text, text),
 ql3.active_revision(text, text, text), ql3.active_pointers(jsonb), ql3.outbox_backlog(), ql3.wake_relays()
 TO ql3_operator;
+-- Outbox retention (D55): operators (the recovery daemon's login is one) and the owner.
+GRANT EXECUTE ON FUNCTION ql3.prune_outbox(interval, integer) TO ql3_operator;
 
 GRANT SELECT ON ql3.contract_families, ql3.contract_revisions, ql3.revision_revocations,
 ql3.active_revisions, ql3.contract_outbox TO ql3_reader;

@@ -9,7 +9,7 @@
 -- (runs, step_runs, ...) get their own privilege file; the schema-wide checks at the end
 -- cover them too, and 15b_privilege_catalog.sql holds the exact lists of both schemas.
 BEGIN;
-SELECT plan(338);
+SELECT plan(343);
 SET LOCAL client_min_messages = warning;
 
 \ir lib/privilege_helpers.sql
@@ -145,7 +145,9 @@ FROM (VALUES
     (34, '_may_act', '{text}', '{}'),
     (35, '_refuse_project', '{text,text}', '{}'),
     (36, '_session_is_member', '{name}', '{}'),
-    (37, '_refuse_too_large', '{text,jsonb}', '{}')
+    (37, '_refuse_too_large', '{text,jsonb}', '{}'),
+    -- Outbox retention (D55).
+    (38, 'prune_outbox', '{interval,integer}', '{ql3_operator}')
 ) AS f (ord, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')
@@ -211,7 +213,7 @@ SELECT set_eq(
           'ql3.event_id(text,text)', 'ql3.dedupe_key(text,text)', 'ql3.put_revision(text,text,text,jsonb,text)',
           'ql3.activate_revision(text,text,text,uuid,text,uuid)', 'ql3.revoke_revision(uuid,text,text)',
           'ql3.claim_outbox(integer)', 'ql3.mark_outbox_delivered(bigint[])', 'ql3.mark_outbox_failed(bigint[],text)',
-          'ql3.outbox_backlog()', 'ql3.may_act_on(text)', 'ql3.visible_projects()', 'ql3.grant_project(name,text)',
+          'ql3.outbox_backlog()', 'ql3.prune_outbox(interval,integer)', 'ql3.may_act_on(text)', 'ql3.visible_projects()', 'ql3.grant_project(name,text)',
           'ql3.revoke_project(name,text)'],
     'exactly these functions of 0001 and 0002 are SECURITY DEFINER'
 );

@@ -172,6 +172,7 @@ VALUES
     ('ql3.mark_outbox_failed(bigint[],text)', '{ql3_relay}', TRUE),
     ('ql3.outbox_backlog()', '{ql3_relay,ql3_operator,ql3_reader}', TRUE),  -- counts every project (D47)
     ('ql3.wake_relays()', '{ql3_operator}', FALSE),
+    ('ql3.prune_outbox(interval,integer)', '{ql3_operator}', TRUE),  -- outbox retention (D55)
     ('ql3.failover_epoch()', '{ql3_runtime,ql3_relay,ql3_operator,ql3_reader}', FALSE),  -- D48
     ('ql3.create_run(text,text,uuid)', '{ql3_runtime}', TRUE),
     ('ql3.add_step_run(uuid,text,uuid)', '{ql3_runtime}', TRUE),

@@ -1,0 +1,109 @@
+"""``ql3 prune``: remove delivered contract outbox rows older than a retention (D55).
+
+Each batch is one ``ql3.prune_outbox(delivered_before, batch)`` call, its own transaction:
+it deletes at most ``batch`` delivered rows whose ``delivered_at`` is older than
+``now() - delivered_before``, oldest seq first. It never removes an undelivered row, nor a
+pointer's newest row (``ql3 verify`` checks each pointer against it), and it skips rows a
+relay holds (``FOR UPDATE SKIP LOCKED``): a prune neither waits on a relay nor changes
+its claim order. Batches repeat until one removes fewer than ``batch`` rows; the total is
+printed as JSON. The ledgers (receipts, usage, run events, mutations) are never pruned.
+
+After a prune, take a new ``ql3 verify`` snapshot: the removed rows are missing from the
+old one (D50).
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+from typing import Any
+
+from ql3 import arguments, errors, pooler
+from ql3.cli import print_json
+from ql3.db import Timeouts, dsn_from_env
+from ql3.store import PgStore
+
+#: The SQL function's bounds of one batch.
+MAX_BATCH = 100_000
+DEFAULT_BATCH = 10_000
+#: ``ql3 prune``'s bound on one batch (one DELETE of up to ``batch`` rows).
+DEFAULT_STATEMENT_TIMEOUT_SECONDS = 60.0
+
+
+def prune_batch(store: PgStore, delivered_before: timedelta, batch: int) -> int:
+    """One ``ql3.prune_outbox`` call (one transaction): how many rows it removed."""
+    arguments.check_count("batch", batch, 1, MAX_BATCH)
+    if delivered_before < timedelta(0):
+        raise errors.InvalidArgument(
+            "QL3_INVALID_ARGUMENT: delivered_before must be a non-negative interval"
+        )
+    with store.connection() as conn, conn.cursor() as cur:
+        pooler.execute(conn, cur, "SELECT ql3.prune_outbox(%s, %s)", (delivered_before, batch))
+        found = cur.fetchone()
+    return 0 if found is None else int(found[0])
+
+
+def prune(
+    store: PgStore,
+    delivered_before: timedelta,
+    batch: int = DEFAULT_BATCH,
+    *,
+    max_batches: int | None = None,
+) -> int:
+    """Batches until one removes fewer than ``batch`` rows (or ``max_batches`` ran): the
+    total removed."""
+    total = 0
+    done = 0
+    while True:
+        removed = prune_batch(store, delivered_before, batch)
+        total += removed
+        done += 1
+        if removed < batch or (max_batches is not None and done >= max_batches):
+            return total
+
+
+def command(args: argparse.Namespace) -> int:
+    """``ql3 prune``: prune the outbox, print ``{"removed": n}``."""
+    dsn = dsn_from_env(args.dsn)
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
+    if not 1 <= batch <= MAX_BATCH:
+        raise errors.Misconfigured(f"QL3_INVALID_ARGUMENT: --batch must be 1..{MAX_BATCH}")
+    try:
+        arguments.check_seconds("statement_timeout", args.statement_timeout, most=86400.0)
+    except errors.InvalidArgument as exc:
+        raise errors.Misconfigured(exc.message) from None
+    timeouts = Timeouts(statement_ms=max(1, round(args.statement_timeout * 1000)))
+    with PgStore.checked(dsn, max_connections=1, timeouts=timeouts) as store:
+        removed = prune(store, args.delivered_before, batch)
+    print_json(
+        {"removed": removed, "delivered_before_seconds": args.delivered_before.total_seconds()}
+    )
+    return 0
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``prune`` to ``ql3``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "prune",
+        help="remove delivered contract outbox rows older than a retention (D55)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a = parser.add_argument
+    a("--dsn", help="PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)")
+    a(
+        "--delivered-before",
+        type=arguments.duration_type,
+        required=True,
+        help="remove rows delivered longer ago than this: 30s, 10m, 2h, 7d, 1w",
+    )
+    a("--batch", type=int, help=f"rows per batch, 1..{MAX_BATCH} (default {DEFAULT_BATCH})")
+    a(
+        "--statement-timeout",
+        type=float,
+        default=DEFAULT_STATEMENT_TIMEOUT_SECONDS,
+        help="seconds one batch may run in the database "
+        f"(default {DEFAULT_STATEMENT_TIMEOUT_SECONDS:g})",
+    )
+    parser.set_defaults(func=command)
+    return parser

@@ -26,13 +26,21 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fix_invocations import PAST, PROJECT, admission, completion, model_step
+from fix_invocations import PAST, PROJECT, PROVIDER, admission, completion, model_step
 from fix_servers import role_dsn
+from fix_stores import pin_clock
 from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
-from ql3 import cli, errors, invocations_cli, recovery
-from ql3.invocations import Outcome, Usage
+from ql3 import arguments, cli, errors, invocations_cli, recovery
+from ql3.invocations import Outcome, PolicyBinding, Usage
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.store import PgStore
+
+
+def run_text(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of one ``ql3`` command that prints text."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
@@ -56,6 +64,13 @@ def as_role(db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
         return dsn
 
     return use
+
+
+@pytest.fixture
+def owner(db_dsn: str) -> Iterator[PgStore]:
+    """The superuser test connection: it may pin the database clock."""
+    with PgStore(db_dsn) as store:
+        yield store
 
 
 def settled(store: PgStore, outcome: Outcome, **kw: Any) -> tuple[str, dict[str, Any]]:
@@ -92,7 +107,7 @@ def test_list_shows_newest_first_and_unresolved_shows_only_lost_ones(
     assert [r["outcome"] for r in rows] == [None, "lost", "succeeded"]
     assert rows[1]["result_code"] == "outcome_unknown" and rows[1]["decision"] is None
 
-    code, rows, _ = run(capsys, "invocations", "list", "--unresolved")
+    code, rows, _ = run(capsys, "invocations", "list", "--unresolved", "--json")
     assert code == 0 and [r["invocation_id"] for r in rows] == [invocation_id(lost)]
 
     code, rows, _ = run(capsys, "invocations", "list", "--limit", "1", "--project", PROJECT)
@@ -103,6 +118,165 @@ def test_list_shows_newest_first_and_unresolved_shows_only_lost_ones(
     assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT")
 
 
+# -- the resolution queue (list --unresolved) ------------------------------------------
+
+
+def lost_since(
+    runtime: PgStore, owner: PgStore, ago: timedelta, *, project: str = PROJECT, **kw: Any
+) -> str:
+    """An invocation admitted with a past deadline and settled as lost by recovery ``ago``
+    before now (the database clock pinned there): its invocation_id."""
+    run_id, step = model_step(runtime, project=project)
+    start = runtime.admit_invocation(admission(run_id, step, project=project, deadline=PAST, **kw))
+    pin_clock(owner, datetime.now(UTC) - ago)
+    try:
+        result = owner.recover_expired(100, 0)
+    finally:
+        pin_clock(owner, None)
+    assert [r["invocation_id"] for r in result["recovered"]] == [invocation_id(start)]
+    return invocation_id(start)
+
+
+def active_policy(owner: PgStore, project: str = PROJECT) -> PolicyBinding:
+    revision = owner.put_revision(project, "policy_routing", "router", {"v": 1}, "test")
+    owner.activate_revision(project, "policy_routing", "router", revision["revision_id"], "test")
+    return PolicyBinding(
+        contract_family="policy_routing", contract_id="router", revision_id=revision["revision_id"]
+    )
+
+
+def queue_ids(capsys: pytest.CaptureFixture[str], *flags: str) -> list[str]:
+    code, rows, err = run(capsys, "invocations", "list", "--unresolved", "--json", *flags)
+    assert code == 0, err
+    return [r["invocation_id"] for r in rows]
+
+
+def test_the_queue_shows_what_waits_oldest_first_with_its_age(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, owner: PgStore, as_role: Any
+) -> None:
+    policy = active_policy(owner)
+    hours = lost_since(runtime, owner, timedelta(hours=3), policy=policy)
+    days = lost_since(runtime, owner, timedelta(days=2), project="other", model="m-2")
+    minutes = lost_since(runtime, owner, timedelta(minutes=10))
+    settled(runtime, Outcome.SUCCEEDED)
+    resolved = lost_since(runtime, owner, timedelta(days=5))
+    invocations_cli.resolve(owner, resolved, decision="fail", user_id="alice")
+    as_role("reader")
+
+    code, rows, err = run(capsys, "invocations", "list", "--unresolved", "--json")
+    assert code == 0 and err == ""
+    assert [r["invocation_id"] for r in rows] == [days, hours, minutes]
+    first, second, _ = rows
+    assert (first["project_id"], first["provider"], first["model"]) == ("other", PROVIDER, "m-2")
+    assert first["attempt"] == 1 and first["deadline_at"] == "2020-01-01T00:00:00.000000Z"
+    assert first["policy_revision_id"] is None
+    assert second["policy_revision_id"] == str(policy.revision_id)
+    assert second["policy_contract_id"] == "router"
+    assert (first["outcome"], first["result_code"], first["recovered"]) == (
+        "lost", "outcome_unknown", True)  # fmt: skip
+    assert 2 * 86400 <= first["age_seconds"] < 2 * 86400 + 600
+    assert 3 * 3600 <= second["age_seconds"] < 3 * 3600 + 600
+
+    code, out, err = run_text(capsys, "invocations", "list", "--unresolved")
+    assert code == 0 and err == ""
+    header, *lines = out.splitlines()
+    assert header.split() == ["AGE", "PROJECT", "PROVIDER/MODEL", "ATTEMPT", "DEADLINE",
+                              "POLICY", "REVISION", "INVOCATION"]  # fmt: skip
+    assert [line.split()[-1] for line in lines] == [days, hours, minutes]
+    assert lines[0].split()[:6] == ["2d00h", "other", f"{PROVIDER}/m-2", "1",
+                                    "2020-01-01T00:00:00.000000Z", "-"]  # fmt: skip
+    assert lines[1].split()[0] == "3h00m" and str(policy.revision_id) in lines[1]
+    assert lines[2].split()[0] == "10m"
+
+
+def test_the_queue_filters_by_project_and_by_age(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, owner: PgStore, as_role: Any
+) -> None:
+    old = lost_since(runtime, owner, timedelta(days=3), project="a")
+    mid = lost_since(runtime, owner, timedelta(hours=5), project="b")
+    new = lost_since(runtime, owner, timedelta(minutes=1), project="c")
+    as_role("reader")
+    assert queue_ids(capsys, "--project", "b") == [mid]
+    assert queue_ids(capsys, "--project", "c", "--project", "a") == [old, new]
+    assert queue_ids(capsys, "--project", "nobody") == []
+    assert queue_ids(capsys, "--older-than", "1h") == [old, mid]
+    assert queue_ids(capsys, "--older-than", "2d") == [old]
+    assert queue_ids(capsys, "--older-than", "1w") == []
+    assert queue_ids(capsys, "--older-than", "30s", "--project", "c") == [new]
+    code, out, _ = run_text(capsys, "invocations", "list", "--unresolved", "--older-than", "1w")
+    assert code == 0 and out == "no unresolved invocations\n"
+
+
+@pytest.mark.parametrize(
+    "duration", ["10", "1y", "-1h", "1.5h", "h", "", "36501d", "999999w", "9999999999w", "\u0661d"]
+)
+def test_older_than_is_a_usage_error_unless_a_whole_number_and_a_unit(
+    capsys: pytest.CaptureFixture[str], as_role: Any, duration: str
+) -> None:
+    as_role("reader")
+    with pytest.raises(SystemExit) as usage_error:
+        cli.main(["invocations", "list", "--unresolved", f"--older-than={duration}"])
+    assert usage_error.value.code == 2
+    assert "--older-than" in capsys.readouterr().err
+    code, _, err = run(capsys, "invocations", "list", "--older-than", "1h")
+    assert code == 2 and err.startswith("error: QL3_INVALID_ARGUMENT: --older-than needs")
+
+
+def test_the_queue_is_one_bounded_page_and_says_when_more_wait(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, owner: PgStore, as_role: Any
+) -> None:
+    ids = [lost_since(runtime, owner, timedelta(hours=h)) for h in (3, 2, 1)]
+    as_role("reader")
+    code, rows, err = run(capsys, "invocations", "list", "--unresolved", "--json", "--limit", "2")
+    assert code == 0 and [r["invocation_id"] for r in rows] == ids[:2]
+    assert err.startswith("note: more than 2 unresolved invocations; these are the oldest 2")
+    code, out, err = run_text(capsys, "invocations", "list", "--unresolved", "--limit", "2")
+    assert code == 0 and len(out.splitlines()) == 3 and "note: more than 2" in err
+    code, rows, err = run(capsys, "invocations", "list", "--unresolved", "--json", "--limit", "3")
+    assert code == 0 and len(rows) == 3 and err == ""
+    code, _, err = run(capsys, "invocations", "list", "--unresolved", "--limit", "10001")
+    assert code == 1 and err.startswith("error: QL3_INVALID_ARGUMENT: limit must be 1..10000")
+
+
+def test_the_queue_shows_only_the_logins_projects(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, owner: PgStore, db_dsn: str
+) -> None:
+    mine = lost_since(runtime, owner, timedelta(hours=2), project="mine")
+    lost_since(runtime, owner, timedelta(hours=3), project="theirs")
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("SELECT ql3.grant_project('ql3_test_reader', 'mine')")
+    code, rows, _ = run(capsys, "invocations", "list", "--unresolved", "--json",
+                        "--dsn", role_dsn(db_dsn, "reader"))  # fmt: skip
+    assert code == 0 and [r["invocation_id"] for r in rows] == [mine]
+    code, rows, _ = run(capsys, "invocations", "list", "--unresolved", "--json",
+                        "--project", "theirs", "--dsn", role_dsn(db_dsn, "reader"))  # fmt: skip
+    assert code == 0 and rows == []
+
+
+def test_the_queue_escapes_control_characters_in_its_table(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, owner: PgStore, as_role: Any
+) -> None:
+    hostile = "p\x1b[2J\x9b31m\u2028"
+    lost = lost_since(runtime, owner, timedelta(hours=1), project=hostile, model=hostile)
+    as_role("reader")
+    code, out, _ = run_text(capsys, "invocations", "list", "--unresolved")
+    assert code == 0 and lost in out
+    assert not any(c in out for c in "\x1b\x9b\u2028"), repr(out)
+    assert "p\\x1b[2J\\x9b31m\\u2028" in out
+    code, rows, _ = run(capsys, "invocations", "list", "--unresolved", "--json")
+    assert code == 0 and rows[0]["project_id"] == hostile
+
+
+def test_durations_and_ages_read_as_written() -> None:
+    parse = arguments.duration_type
+    assert [parse(t) for t in ("30s", "10m", "2h", "1d", "1w")] == [
+        timedelta(seconds=30), timedelta(minutes=10), timedelta(hours=2), timedelta(days=1),
+        timedelta(weeks=1)]  # fmt: skip
+    age = invocations_cli.format_age
+    assert [age(s) for s in (-1, 45, 754, 3 * 3600 + 300, 2 * 86400 + 4 * 3600 + 59)] == [
+        "0s", "45s", "12m", "3h05m", "2d04h"]  # fmt: skip
+
+
 @pytest.mark.parametrize("project", [None, PROJECT])
 @pytest.mark.parametrize("unresolved", [False, True])
 def test_listings_read_an_index_in_order_instead_of_sorting_the_history(
@@ -111,12 +285,14 @@ def test_listings_read_an_index_in_order_instead_of_sorting_the_history(
     settled(runtime, Outcome.SUCCEEDED)
     settled(runtime, Outcome.LOST)
     sql = invocations_cli._UNRESOLVED_SQL if unresolved else invocations_cli._RECENT_SQL
+    projects = None if project is None else [project]
+    params = {"projects": projects, "limit": 10, "older_than": timedelta(minutes=5)}
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute("ANALYZE ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions")
         # A few rows would be read whole and sorted; forbid that so the plan shows whether
         # an index can deliver the order, as it must once the history is large.
         conn.execute("SET enable_seqscan = off")
-        rows = conn.execute("EXPLAIN " + sql, {"project": project, "limit": 10}).fetchall()
+        rows = conn.execute("EXPLAIN " + sql, params).fetchall()
     plan = "\n".join(str(r[0]) for r in rows)
     index = "model_invocation_completions_lost" if unresolved else "model_invocation_starts_recent"
     assert f"Index Scan Backward using {index}" in plan or f"Index Scan using {index}" in plan, plan
@@ -156,16 +332,20 @@ def test_resolve_reads_the_digest_and_version_itself_and_replays_as_existing(
     step, lost = settled(runtime, Outcome.LOST)
     as_role("operator")
     argv = ("resolve", invocation_id(lost), "--decision", "retry", "--user", "alice",
-            "--reason", "provider has no record")  # fmt: skip
-    code, result, _ = run(capsys, *argv)
-    assert code == 0 and result["status"] == "created"
+            "--reason", "provider has no record", "--json")  # fmt: skip
+    code, summary, _ = run(capsys, *argv)
+    assert code == 0 and summary["created"] == 1
+    (result,) = summary["results"]
+    assert result["status"] == "created"
     assert result["resolution"]["completion_digest"] == lost["completion_digest"]
     assert result["resolution"]["reason"] == "provider has no record"
     step_row = runtime.step_run(step)
     assert step_row is not None and step_row["status"] == "ready"
 
-    code, again, _ = run(capsys, *argv)
-    assert code == 0 and again["status"] == "existing"
+    code, summary, _ = run(capsys, *argv)
+    assert code == 0 and summary["existing"] == 1
+    (again,) = summary["results"]
+    assert again["status"] == "existing"
     assert again["resolution_digest"] == result["resolution_digest"]
 
     # show and list tell the user it was resolved as from the login that resolved (D47)
@@ -177,7 +357,7 @@ def test_resolve_reads_the_digest_and_version_itself_and_replays_as_existing(
     assert (row["resolved_as"], row["resolved_by"]) == ("alice", "ql3_test_operator")
 
     code, _, err = run(capsys, "resolve", invocation_id(lost), "--decision", "cancel",
-                       "--user", "alice")  # fmt: skip
+                       "--user", "alice", "--json")  # fmt: skip
     assert code == 1 and err.startswith("error: QL3_CONFLICT")
 
 
@@ -188,13 +368,150 @@ def test_resolve_refuses_what_is_not_lost_with_stable_codes(
     _, live = running(runtime)
     as_role("operator")
     for target in (invocation_id(ok), invocation_id(live)):
-        code, _, err = run(capsys, "resolve", target, "--decision", "fail", "--user", "alice")
+        code, _, err = run(capsys, "resolve", target, "--decision", "fail", "--user", "alice",
+                           "--json")  # fmt: skip
         assert code == 1 and err.startswith("error: QL3_ILLEGAL_TRANSITION"), err
-    code, _, err = run(capsys, "resolve", "inv-never", "--decision", "fail", "--user", "alice")
+    code, _, err = run(capsys, "resolve", "inv-never", "--decision", "fail", "--user", "alice",
+                       "--json")  # fmt: skip
     assert code == 1 and err.startswith("error: QL3_NOT_FOUND")
     with pytest.raises(SystemExit) as usage_error:
         cli.main(["resolve", invocation_id(ok), "--decision", "ignore", "--user", "alice"])
     assert usage_error.value.code == 2
+
+
+def test_resolve_several_at_once_writes_a_receipt_for_each_and_exits_0(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    lost = [settled(runtime, Outcome.LOST) for _ in range(3)]
+    ids = [invocation_id(result) for _, result in lost]
+    as_role("operator")
+    argv = (
+        "resolve",
+        "--decision",
+        "fail",
+        "--user",
+        "alice",
+        "--reason",
+        "provider outage",
+        *ids,
+        ids[0],
+    )  # fmt: skip  (a repeated id counts once)
+    code, summary, err = run(capsys, *argv, "--json")
+    assert code == 0 and err == ""
+    counts = ("requested", "resolved", "created", "existing", "refused", "not_tried")
+    assert [summary[k] for k in counts] == [3, 3, 3, 0, 0, 0]
+    assert (summary["decision"], summary["user_id"], summary["reason"]) == (
+        "fail", "alice", "provider outage")  # fmt: skip
+    assert [r["invocation_id"] for r in summary["results"]] == ids
+    digests = {r["resolution_digest"] for r in summary["results"]}
+    assert len(digests) == 3  # one Resolution receipt each
+    for (step, done), result in zip(lost, summary["results"], strict=True):
+        assert result["resolution"]["completion_digest"] == done["completion_digest"]
+        assert result["resolution"]["reason"] == "provider outage"
+        step_row = runtime.step_run(step)
+        assert step_row is not None and step_row["status"] == "failed"
+
+    code, out, err = run_text(capsys, *argv)  # the same command again: all existing
+    assert code == 0 and err == ""
+    *lines, last = out.splitlines()
+    assert [line.split() for line in lines] == [["existing", i] for i in ids]
+    assert last == ("3 of 3 resolved as fail by alice (0 created, 3 existing), 0 refused, "
+                    "0 not tried, reason: provider outage")  # fmt: skip
+    code, rows, _ = run(capsys, "invocations", "list", "--unresolved", "--json")
+    assert code == 0 and rows == []
+
+
+def test_resolve_several_reports_each_refusal_with_its_code_and_exits_1(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    _, first = settled(runtime, Outcome.LOST)
+    _, taken = settled(runtime, Outcome.LOST)
+    _, last = settled(runtime, Outcome.LOST)
+    as_role("operator")
+    code, _, _ = run(capsys, "resolve", invocation_id(taken), "--decision", "retry",
+                     "--user", "bob", "--json")  # fmt: skip
+    assert code == 0
+    ids = [invocation_id(first), invocation_id(taken), "inv-never", invocation_id(last)]
+
+    code, summary, err = run(capsys, "resolve", "--decision", "fail", "--user", "alice",
+                             "--reason", "outage", *ids, "--json")  # fmt: skip
+    assert code == 1
+    assert [(r["invocation_id"], r["status"], r.get("code")) for r in summary["results"]] == [
+        (ids[0], "created", None), (ids[1], "refused", "QL3_CONFLICT"),
+        (ids[2], "refused", "QL3_NOT_FOUND"), (ids[3], "created", None)]  # fmt: skip
+    assert (summary["resolved"], summary["refused"]) == (2, 2)
+    assert "inv-never was never admitted" in summary["results"][2]["message"]
+    errors_ = err.splitlines()
+    assert len(errors_) == 2
+    assert errors_[0].startswith(f"error: QL3_CONFLICT: invocation {ids[1]}: ")
+    assert errors_[1].startswith("error: QL3_NOT_FOUND: invocation inv-never: ")
+
+    code, out, err = run_text(capsys, "resolve", "--decision", "fail", "--user", "alice",
+                              "--reason", "outage", *ids)  # fmt: skip
+    assert code == 1 and len(err.splitlines()) == 2
+    assert [line.split() for line in out.splitlines()[:-1]] == [
+        ["existing", ids[0]], ["refused", ids[1], "QL3_CONFLICT"],
+        ["refused", ids[2], "QL3_NOT_FOUND"], ["existing", ids[3]]]  # fmt: skip
+    assert out.splitlines()[-1].startswith("2 of 4 resolved as fail by alice (0 created, "
+                                           "2 existing), 2 refused, 0 not tried")  # fmt: skip
+
+
+def test_resolve_stops_trying_once_the_database_is_unavailable(
+    capsys: pytest.CaptureFixture[str],
+    runtime: PgStore,
+    as_role: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids = [invocation_id(settled(runtime, Outcome.LOST)[1]) for _ in range(3)]
+    real_resolve = invocations_cli.resolve
+
+    def connection_lost_at_the_second(store: PgStore, target: str, **kw: Any) -> Any:
+        if target == ids[1]:
+            raise errors.OutcomeUnknown("QL3_UNAVAILABLE: connection lost during the commit")
+        return real_resolve(store, target, **kw)
+
+    monkeypatch.setattr(invocations_cli, "resolve", connection_lost_at_the_second)
+    as_role("operator")
+    argv = ("resolve", "--decision", "fail", "--user", "alice", *ids)
+    code, summary, err = run(capsys, *argv, "--json")
+    assert code == 1
+    assert [r["status"] for r in summary["results"]] == ["created", "refused", "not_tried"]
+    assert summary["results"][1]["code"] == "QL3_UNAVAILABLE"
+    assert err.splitlines() == [
+        f"error: QL3_UNAVAILABLE: invocation {ids[1]}: connection lost during the commit"
+    ]
+
+    monkeypatch.setattr(invocations_cli, "resolve", real_resolve)
+    code, summary, err = run(capsys, *argv, "--json")  # the rerun finishes the job
+    assert code == 0 and err == ""
+    assert [r["status"] for r in summary["results"]] == ["existing", "created", "created"]
+
+
+def test_resolve_text_output_escapes_control_characters(
+    capsys: pytest.CaptureFixture[str], runtime: PgStore, as_role: Any
+) -> None:
+    _, lost = settled(runtime, Outcome.LOST)
+    as_role("operator")
+    hostile_reason = "outage \x1b]0;owned\x07 \x9b2J"
+    hostile_id = "inv-\x1b[2J"
+    argv = ("resolve", "--decision", "cancel", "--user", "alice", "--reason", hostile_reason,
+            invocation_id(lost), hostile_id)  # fmt: skip
+    code, out, err = run_text(capsys, *argv)
+    assert code == 1
+    for text in (out, err):
+        assert not any(c in text for c in "\x1b\x07\x9b"), repr(text)
+    assert "reason: outage \\x1b]0;owned\\x07 \\x9b2J" in out
+    assert "refused   inv-\\x1b[2J  QL3_NOT_FOUND" in out
+    assert "inv-\\x1b[2J" in err
+
+
+def test_resolve_takes_a_bounded_number_of_invocations(
+    capsys: pytest.CaptureFixture[str], as_role: Any
+) -> None:
+    as_role("operator")
+    many = [f"inv-{n}" for n in range(invocations_cli.MAX_RESOLVE_IDS + 1)]
+    code, _, err = run(capsys, "resolve", "--decision", "fail", "--user", "alice", *many)
+    assert code == 2 and err.startswith("error: QL3_INVALID_ARGUMENT: at most 10000")
 
 
 def test_the_runtime_role_cannot_resolve_from_the_cli(
@@ -203,7 +520,7 @@ def test_the_runtime_role_cannot_resolve_from_the_cli(
     step, lost = settled(runtime, Outcome.LOST)
     as_role("runtime")
     code, _, err = run(capsys, "resolve", invocation_id(lost), "--decision", "retry",
-                       "--user", "worker")  # fmt: skip
+                       "--user", "worker", "--json")  # fmt: skip
     assert code == 1 and err.startswith("error: QL3_PERMISSION_DENIED")
     step_row = runtime.step_run(step)
     assert step_row is not None and step_row["status"] == "lost"

@@ -100,6 +100,21 @@ _MAX_CACHED_POLICIES: Final = 1024
 
 log = logging.getLogger("ql3.gateway")
 
+# MODEL_AUDIT_UNAVAILABLE answers by phase, on prometheus_client's default registry, which
+# the application's own /metrics serves (D57). prometheus-client comes with the relay
+# extra; without it (the edge install) nothing is counted.
+_audit_unavailable: Any = None
+with contextlib.suppress(ImportError):
+    import prometheus_client
+
+    _audit_unavailable = prometheus_client.Counter(
+        "ql3_gateway_audit_unavailable",
+        "Model calls answered MODEL_AUDIT_UNAVAILABLE, by phase (admission, completion).",
+        ["phase"],
+    )
+    for _phase in ("admission", "completion"):
+        _audit_unavailable.labels(phase=_phase)
+
 
 def _log(level: int, event: str, **fields: Any) -> None:
     log.log(level, event, extra={"ql3": fields})
@@ -163,6 +178,9 @@ class ModelAuditUnavailable(GatewayError):
         self.command = dict(command)
         self.cause_code = cause_code
         self.cause_outcome = cause_outcome
+        # Counted here: the gateway creates one only to raise it at once.
+        if _audit_unavailable is not None:
+            _audit_unavailable.labels(phase=phase).inc()
 
 
 class ModelInvocationReplayBlocked(GatewayError):

@@ -15,6 +15,10 @@ re-invokes a model; every recovered invocation waits for a human resolution
   Logs are JSON lines on stderr; ``--metrics-port`` serves Prometheus ``/metrics`` and
   ``/healthz``, which is unhealthy when no batch has committed for longer than
   ``interval + statement_timeout + health_margin``.
+- ``--outbox-retention 7d`` (``QL3_OUTBOX_RETENTION``): the loop also prunes delivered
+  outbox rows older than that, a round of bounded batches at most once per
+  ``prune_interval`` (``ql3.prune`` and D55); a failed round is logged, counted, and
+  leaves recovery alone.
 
 Several recovery daemons may run at once: the SQL skips step rows another transaction
 holds (``FOR UPDATE ... SKIP LOCKED``), so two batches never settle the same invocation.
@@ -31,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import Any
 
@@ -43,6 +47,9 @@ from ql3.db import Timeouts, dsn_from_env
 from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
 from ql3.logs import backoff_delay, configure_logging, describe_error
+from ql3.prune import DEFAULT_BATCH as DEFAULT_PRUNE_BATCH
+from ql3.prune import MAX_BATCH as MAX_PRUNE_BATCH
+from ql3.prune import prune
 from ql3.store import PgStore, Row
 
 MAX_LIMIT = MAX_RECOVERY_LIMIT
@@ -55,6 +62,9 @@ DEFAULT_STOP_GRACE_SECONDS = 10.0
 # The longest wait any setting may ask for: time.sleep and friends overflow near 1e10 s,
 # and a daemon that waits days between rounds is a typo, not a plan.
 MAX_WAIT_SECONDS = 86400.0
+# Outbox retention (D55): a prune round at most this often, of at most this many batches.
+DEFAULT_PRUNE_INTERVAL_SECONDS = 300.0
+PRUNE_MAX_BATCHES = 100
 
 log = logging.getLogger("ql3.recovery")
 
@@ -81,6 +91,12 @@ class RecoveryConfig:
     """/healthz is ``stale`` once no batch committed for interval + statement_timeout + this."""
     stop_grace: float = DEFAULT_STOP_GRACE_SECONDS
     """How long ``serve`` waits for the batch in flight after SIGTERM before exiting 1."""
+    outbox_retention: float | None = None
+    """Seconds a delivered outbox row is kept; None = the loop never prunes (D55)."""
+    prune_batch: int = DEFAULT_PRUNE_BATCH
+    """Rows per ``ql3.prune_outbox`` call; a round is at most ``PRUNE_MAX_BATCHES`` calls."""
+    prune_interval: float = DEFAULT_PRUNE_INTERVAL_SECONDS
+    """A prune round starts at most once per this many seconds."""
 
     def __post_init__(self) -> None:
         recovery_arguments(self.limit, self.grace_seconds)
@@ -96,6 +112,15 @@ class RecoveryConfig:
         arguments.check_seconds(
             "health_margin", self.health_margin, zero=True, most=MAX_WAIT_SECONDS
         )
+        if self.outbox_retention is not None:
+            arguments.check_seconds(
+                "outbox_retention",
+                self.outbox_retention,
+                zero=True,
+                most=arguments.MAX_DURATION.total_seconds(),
+            )
+        arguments.check_count("prune_batch", self.prune_batch, 1, MAX_PRUNE_BATCH)
+        arguments.check_seconds("prune_interval", self.prune_interval, most=MAX_WAIT_SECONDS)
         if self.metrics_port is not None and (
             not isinstance(self.metrics_port, int) or self.metrics_port > 65535
         ):
@@ -108,6 +133,26 @@ class RecoveryConfig:
     def stale_after(self) -> float:
         """Seconds without a committed batch after which the loop reports itself stale."""
         return self.interval + self.statement_timeout + self.health_margin
+
+
+# The unresolved gauge covers at most this many projects, those waiting longest (D57).
+UNRESOLVED_PROJECTS_LIMIT = 100
+
+# One bounded query per round (D57): the lost completions (a partial index) without a
+# resolution, grouped by project, the projects that have waited longest first.
+_UNRESOLVED_BY_PROJECT_SQL = """
+SELECT c.project_id AS project,
+       count(*) AS unresolved,
+       greatest(0, extract(epoch FROM now() - min(c.completed_at)))::float8 AS oldest_age_seconds
+FROM ql3_ai.model_invocation_completions AS c
+WHERE c.outcome = 'lost'
+  AND NOT EXISTS (
+      SELECT 1 FROM ql3_ai.model_invocation_resolutions AS v
+      WHERE v.invocation_id = c.invocation_id)
+GROUP BY c.project_id
+ORDER BY min(c.completed_at), c.project_id
+LIMIT %s
+"""
 
 
 class RecoveryMetrics:
@@ -137,6 +182,33 @@ class RecoveryMetrics:
         )
         self.up = Gauge(
             "ql3_recovery_up", "1 while the last recovery batch succeeded.", registry=registry
+        )
+        self.lost_unresolved = Gauge(
+            "ql3_invocations_lost_unresolved",
+            "Lost invocations waiting for a human resolution, by project (D57).",
+            ["project"],
+            registry=registry,
+        )
+        self.lost_unresolved_oldest_age = Gauge(
+            "ql3_invocations_lost_unresolved_oldest_age_seconds",
+            "Seconds the oldest unresolved lost invocation of a project has waited (D57).",
+            ["project"],
+            registry=registry,
+        )
+        self.unresolved_errors = Counter(
+            "ql3_recovery_unresolved_query_errors",
+            "Failed queries of the unresolved lost invocations (recovery goes on; D57).",
+            registry=registry,
+        )
+        self.outbox_pruned = Counter(
+            "ql3_outbox_pruned",
+            "Delivered outbox rows removed by the retention schedule (D55).",
+            registry=registry,
+        )
+        self.outbox_prune_errors = Counter(
+            "ql3_outbox_prune_errors",
+            "Failed prune rounds of the retention schedule (recovery goes on; D55).",
+            registry=registry,
         )
 
 
@@ -171,6 +243,9 @@ class RecoveryLoop:
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._http: StatusServer | None = None
+        self._unresolved_projects: set[str] = set()
+        self.pruned = 0
+        self._last_prune: float | None = None  # monotonic start of the last prune round
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -233,6 +308,8 @@ class RecoveryLoop:
                     delay = self._record_error(exc)
                     self._stop.wait(delay)
                     continue
+                self.observe_unresolved(store)
+                self.maybe_prune(store)
                 self._stop.wait(self.config.interval)
         finally:
             self._close_http()
@@ -303,6 +380,64 @@ class RecoveryLoop:
             total += count
             if count < self.config.limit or self._stop.is_set():
                 return total
+
+    def observe_unresolved(self, store: PgStore) -> None:
+        """Set the unresolved gauges from one query; a failure is logged and counted, and
+        the gauges keep their last values (recovery goes on, D57)."""
+        try:
+            with store.connection() as conn, conn.cursor() as cur:
+                cur.execute(_UNRESOLVED_BY_PROJECT_SQL, (UNRESOLVED_PROJECTS_LIMIT,))
+                rows = cur.fetchall()
+        except Exception as exc:
+            self.metrics.unresolved_errors.inc()
+            _log(logging.WARNING, "unresolved_query_failed", error=describe_error(exc))
+            return
+        seen = {str(project) for project, _, _ in rows}
+        # Projects no longer waiting are removed, never the whole gauge: a scrape between a
+        # clear and a set would see no series and reset an alert's ``for``.
+        for project in self._unresolved_projects - seen:
+            self.metrics.lost_unresolved.remove(project)
+            self.metrics.lost_unresolved_oldest_age.remove(project)
+        for project, count, oldest_age in rows:
+            self.metrics.lost_unresolved.labels(project=str(project)).set(int(count))
+            self.metrics.lost_unresolved_oldest_age.labels(project=str(project)).set(
+                float(oldest_age)
+            )
+        self._unresolved_projects = seen
+
+    def maybe_prune(self, store: PgStore) -> int:
+        """With a retention set, a prune round at most once per ``prune_interval``: at most
+        ``PRUNE_MAX_BATCHES`` bounded batches (the next round goes on). A failure is logged
+        and counted, and recovery goes on (D55). Returns the rows removed."""
+        retention = self.config.outbox_retention
+        now = time.monotonic()
+        if retention is None or (
+            self._last_prune is not None and now - self._last_prune < self.config.prune_interval
+        ):
+            return 0
+        self._last_prune = now
+        try:
+            removed = prune(
+                store,
+                timedelta(seconds=retention),
+                self.config.prune_batch,
+                max_batches=PRUNE_MAX_BATCHES,
+            )
+        except Exception as exc:
+            self.metrics.outbox_prune_errors.inc()
+            _log(logging.WARNING, "outbox_prune_failed", error=describe_error(exc))
+            return 0
+        with self._changed:
+            self.pruned += removed
+            self._changed.notify_all()
+        self.metrics.outbox_pruned.inc(removed)
+        _log(
+            logging.INFO if removed else logging.DEBUG,
+            "outbox_pruned",
+            removed=removed,
+            retention_seconds=retention,
+        )
+        return removed
 
     def _record_error(self, exc: Exception) -> float:
         with self._changed:
@@ -426,7 +561,28 @@ def config_from_args(
         stop_grace=_number(
             args.stop_grace, "QL3_RECOVERY_STOP_GRACE", env, DEFAULT_STOP_GRACE_SECONDS, float
         ),
+        outbox_retention=_retention(args.outbox_retention, env),
+        prune_batch=_number(
+            args.outbox_prune_batch, "QL3_OUTBOX_PRUNE_BATCH", env, DEFAULT_PRUNE_BATCH, int
+        ),
+        prune_interval=_number(
+            args.outbox_prune_interval,
+            "QL3_OUTBOX_PRUNE_INTERVAL",
+            env,
+            DEFAULT_PRUNE_INTERVAL_SECONDS,
+            float,
+        ),
     )
+
+
+def _retention(value: timedelta | None, environ: Mapping[str, str]) -> float | None:
+    """``--outbox-retention``, else ``QL3_OUTBOX_RETENTION`` (``7d``), in seconds."""
+    if value is None:
+        text = environ.get("QL3_OUTBOX_RETENTION")
+        if text in (None, ""):
+            return None
+        value = arguments.parse_duration(text)
+    return value.total_seconds()
 
 
 def owned_store(dsn: str, config: RecoveryConfig, *, checked: bool = False) -> PgStore:
@@ -551,6 +707,24 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         type=float,
         help="with --loop: seconds a batch in flight gets after SIGTERM before the process "
         f"exits 1 without it (default {DEFAULT_STOP_GRACE_SECONDS:g})",
+    )
+    a(
+        "--outbox-retention",
+        type=arguments.duration_type,
+        help="with --loop: prune delivered outbox rows older than this (7d, 12h; default: "
+        "$QL3_OUTBOX_RETENTION, else never; D55)",
+    )
+    a(
+        "--outbox-prune-batch",
+        type=int,
+        help=f"with --outbox-retention: rows per prune batch, 1..{MAX_PRUNE_BATCH} "
+        f"(default {DEFAULT_PRUNE_BATCH})",
+    )
+    a(
+        "--outbox-prune-interval",
+        type=float,
+        help="with --outbox-retention: seconds between prune rounds "
+        f"(default {DEFAULT_PRUNE_INTERVAL_SECONDS:g})",
     )
     a("--log-level", help="with --loop: debug, info, warning, error (default info)")
     parser.set_defaults(func=command)

@@ -2,7 +2,7 @@
 -- oldest seq first and at most a batch at a time, keeps each pointer's newest row and every
 -- undelivered row, refuses bad input before it writes anything, and is executable by
 -- ql3_operator (and the owner) only. A direct DELETE stays refused to every login.
--- tests/py/test_prune.py runs it beside a relay's open claim in two real sessions.
+-- 18b_prune_claims.sql runs it beside a relay's open claim and another prune (dblink).
 --
 -- Rows of other files may be delivered in this database: this file's rows are marked
 -- delivered in 2000, and the cut-off is just after that, so only they can qualify.

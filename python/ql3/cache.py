@@ -58,7 +58,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio.cluster import ClusterPubSub, RedisCluster
 
-from ql3 import arguments, canonical, errors, redis_links
+from ql3 import arguments, cache_metrics, canonical, errors, redis_links
 from ql3.db import CALL_MARGIN_S, translate
 from ql3.db_guard import bounded_async
 from ql3.logs import backoff_delay
@@ -322,6 +322,8 @@ class RevisionCache:
         self._epoch_check = False  # the verify loop reads the epoch now
 
         self._mode: Mode = "starting"
+        self._started_mono: float | None = None
+        self.metrics_label = cache_metrics.label_for(channel_prefix)
         self._subscribed = False
         self._subscribed_event = asyncio.Event()
         self._last_message: float | None = None
@@ -357,6 +359,8 @@ class RevisionCache:
         """
         if self._tasks:
             return
+        self._started_mono = time.monotonic()
+        cache_metrics.watch(self)
         try:
             if self._owns_pool:
                 await self._pool.open()
@@ -375,6 +379,7 @@ class RevisionCache:
         self._set_mode(self._live_mode())
 
     async def close(self) -> None:
+        cache_metrics.unwatch(self)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -471,6 +476,17 @@ class RevisionCache:
     @property
     def mode(self) -> Mode:
         return self.health().mode
+
+    def metrics_sample(self, now: float) -> tuple[str, float | None, int]:
+        """(mode, seconds since the oldest heartbeat channel was heard, entries) for
+        ``ql3.cache_metrics`` at monotonic ``now``; the age counts from the start while a
+        heartbeat was never heard."""
+        heard = self._last_heartbeat_mono
+        if heard is None:
+            heard = self._started_mono
+        age = None if heard is None else max(0.0, now - heard)
+        mode = self._live_mode() if self._mode not in ("starting", "closed") else self._mode
+        return mode, age, len(self._entries)
 
     # -- freshness ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from ql3 import (
     gateway,  # noqa: F401  (registers ql3_gateway_* on the default registry)
     invocations_cli,
 )
+from ql3.cache import RevisionCache
 from ql3.invocations import Outcome
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.relay import Relay, RelayConfig
@@ -154,37 +156,47 @@ def test_every_metric_the_rules_and_dashboard_name_is_in_a_live_scrape(
     try:
         recovery.wait_until(lambda r: r.recovered == 1)
         assert recovery.metrics_port is not None
-        recovery_page = fetch(recovery.metrics_port)
+        # The gauge is set after the round that recovered it: wait for that round's end.
+        unresolved = f'ql3_invocations_lost_unresolved{{project="{PROJECT}"}} 1.0'
+        deadline = time.monotonic() + 10
+        while unresolved not in (recovery_page := fetch(recovery.metrics_port)):
+            assert time.monotonic() < deadline, recovery_page
+            time.sleep(0.05)
     finally:
         recovery.stop()
 
-    async def scrape_relay() -> str:
+    async def scrape_relay_and_app() -> tuple[str, str]:
+        """The relay's page, and the application's (the default registry: the gateway's
+        counter and a running revision cache's gauges) once the cache heard a heartbeat."""
+        prefix = f"test:{uuid.uuid4().hex[:10]}"
         relay = Relay(
             RelayConfig(
                 dsn=db_dsn,
                 redis_url=redis_url,
-                channel_prefix=f"test:{uuid.uuid4().hex[:10]}",
+                channel_prefix=prefix,
                 metrics_port=0,
                 heartbeat_interval=0.1,
             ),
             registry=CollectorRegistry(),
         )
+        cache = RevisionCache(db_dsn, redis_url, channel_prefix=prefix)
         await relay.start()
         try:
             await relay.wait_ready()
+            await cache.start()
+            while cache.health().last_heartbeat_at is None:
+                await asyncio.sleep(0.05)
             assert relay.metrics_port is not None
-            return await asyncio.to_thread(fetch, relay.metrics_port)
+            return await asyncio.to_thread(fetch, relay.metrics_port), generate_latest().decode()
         finally:
+            await cache.close()
             await relay.stop()
 
-    relay_page = asyncio.run(asyncio.wait_for(scrape_relay(), 60))
-    # The gateway runs in the application, whose own /metrics serves the default registry.
-    app_page = generate_latest().decode()
+    relay_page, app_page = asyncio.run(asyncio.wait_for(scrape_relay_and_app(), 60))
     live = exported(relay_page) | exported(recovery_page) | exported(app_page) | SCRAPE_SERIES
     expressions, recorded = rule_expressions()
     named = set().union(*(metric_names(e) for e in expressions + panel_expressions()))
     assert named - recorded - live == set()
-    assert f'ql3_invocations_lost_unresolved{{project="{PROJECT}"}} 1.0' in recovery_page
 
 
 def test_the_unresolved_gauge_counts_by_project_and_drops_a_resolved_project(
@@ -218,3 +230,48 @@ def test_a_failing_unresolved_query_is_counted_and_recovery_goes_on(db_dsn: str)
     closed.close()
     loop.observe_unresolved(closed)  # does not raise
     assert loop.registry.get_sample_value("ql3_recovery_unresolved_query_errors_total") == 1
+
+
+def cache_series(label: str) -> dict[str, float]:
+    """The default registry's samples of one revision cache, by metric name."""
+    page = generate_latest().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if family.name.startswith("ql3_cache_") and sample.labels.get("cache") == label
+    }
+
+
+def test_a_cache_exports_its_heartbeat_age_and_degrades_when_heartbeats_stop(
+    db_dsn: str, redis_url: str
+) -> None:
+    async def scenario() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        prefix = f"test:{uuid.uuid4().hex[:10]}"
+        config = RelayConfig(
+            dsn=db_dsn, redis_url=redis_url, channel_prefix=prefix, heartbeat_interval=0.1
+        )
+        relay = Relay(config, registry=CollectorRegistry())
+        cache = RevisionCache(db_dsn, redis_url, channel_prefix=prefix, heartbeat_timeout=0.5)
+        label = cache.metrics_label
+        await relay.start()
+        try:
+            await relay.wait_ready()
+            await cache.start()
+            while cache.mode != "normal":
+                await asyncio.sleep(0.05)
+            hearing = cache_series(label)
+            await relay.stop()
+            await asyncio.sleep(1.2)
+            silent = cache_series(label)
+        finally:
+            await cache.close()
+            await relay.stop()
+        return hearing, silent, cache_series(label)
+
+    hearing, silent, closed = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert hearing["ql3_cache_degraded"] == 0.0
+    assert 0.0 <= hearing["ql3_cache_heartbeat_age_seconds"] < 0.5
+    assert silent["ql3_cache_degraded"] == 1.0
+    assert silent["ql3_cache_heartbeat_age_seconds"] >= 1.0
+    assert closed == {}, "a closed cache exports nothing"

@@ -12,20 +12,6 @@ SET LOCAL client_min_messages = warning;
 \ir lib/outbox_helpers.sql
 INSERT INTO tests.ctx (key, value) VALUES ('project', 'tap04-' || gen_random_uuid());
 
--- Over dblink: put a revision with body {"n": p_n} and activate it; returns the event seq.
-CREATE FUNCTION tests.remote_activate(p_conn text, p_contract text, p_n integer) RETURNS bigint
-LANGUAGE sql AS $$
-    SELECT t.seq
-    FROM dblink(
-        p_conn,
-        format(
-            'SELECT (ql3.activate_revision(%1$L, ''policy_routing'', %2$L, r.revision_id, ''tap04'')).seq
-             FROM ql3.put_revision(%1$L, ''policy_routing'', %2$L, jsonb_build_object(''n'', %3$s), ''tap04'') AS r',
-            tests.p(), p_contract, p_n
-        )
-    ) AS t (seq bigint);
-$$;
-
 -- Over dblink: SKIP LOCKED claim of up to p_limit rows in the remote session's transaction.
 CREATE FUNCTION tests.remote_claim(p_conn text, p_limit integer) RETURNS SETOF bigint
 LANGUAGE sql AS $$

@@ -9,20 +9,6 @@ SET LOCAL client_min_messages = warning;
 \ir lib/outbox_helpers.sql
 INSERT INTO tests.ctx (key, value) VALUES ('project', 'tap04b-' || gen_random_uuid());
 
--- Over dblink, in the remote session's current transaction: put and activate a revision.
-CREATE FUNCTION tests.remote_activate(p_conn text, p_contract text) RETURNS bigint
-LANGUAGE sql AS $$
-    SELECT t.seq
-    FROM dblink(
-        p_conn,
-        format(
-            'SELECT (ql3.activate_revision(%1$L, ''policy_routing'', %2$L, r.revision_id, ''tap04b'')).seq
-             FROM ql3.put_revision(%1$L, ''policy_routing'', %2$L, ''{"n": 1}''::jsonb, ''tap04b'') AS r',
-            tests.p(), p_contract
-        )
-    ) AS t (seq bigint);
-$$;
-
 CREATE TABLE tests.notes (notify_name text, be_pid integer, extra text);
 
 SELECT dblink_connect('tap04b_l', tests.dsn());
@@ -35,7 +21,7 @@ SELECT count(*) FROM tests.poll('tap04b_l');
 
 SELECT dblink_exec('tap04b_w', 'BEGIN');
 SELECT dblink_exec('tap04b_w', 'SET LOCAL ql3.outbox_notify = deferred');
-INSERT INTO tests.ctx (key, value) VALUES ('seq', tests.remote_activate('tap04b_w', 'deferred')::text);
+INSERT INTO tests.ctx (key, value) VALUES ('seq', tests.remote_activate('tap04b_w', 'deferred', 1)::text);
 SELECT dblink_exec('tap04b_w', 'COMMIT');
 
 SELECT is(
@@ -88,7 +74,7 @@ SELECT is((SELECT n.extra::jsonb FROM tests.notes AS n), '{"wake": true}'::jsonb
 
 SELECT dblink_exec('tap04b_w', 'BEGIN');
 SELECT dblink_exec('tap04b_w', 'SET LOCAL ql3.outbox_notify = commit');
-SELECT tests.remote_activate('tap04b_w', 'not-deferred');
+SELECT tests.remote_activate('tap04b_w', 'not-deferred', 1);
 SELECT dblink_exec('tap04b_w', 'COMMIT');
 SELECT is(
     (SELECT count(*) FROM tests.poll('tap04b_l') AS n WHERE n.extra::jsonb ->> 'project_id' = tests.p()),
@@ -100,7 +86,7 @@ SELECT is(
 
 SELECT dblink_exec('tap04b_w', 'BEGIN');
 SELECT dblink_exec('tap04b_w', 'SET LOCAL ql3.outbox_notify = deferred');
-SELECT tests.remote_activate('tap04b_w', 'wake-inside');
+SELECT tests.remote_activate('tap04b_w', 'wake-inside', 1);
 SELECT t.v FROM dblink('tap04b_w', 'SELECT ql3.wake_relays()::text') AS t (v text);
 SELECT is((SELECT count(*) FROM tests.poll('tap04b_l')), 0::bigint, 'a wake inside a writing transaction waits for its COMMIT');
 SELECT dblink_exec('tap04b_w', 'COMMIT');

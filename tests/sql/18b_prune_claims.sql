@@ -12,20 +12,6 @@ SET LOCAL client_min_messages = warning;
 \ir lib/outbox_helpers.sql
 INSERT INTO tests.ctx (key, value) VALUES ('project', 'tap18b-' || gen_random_uuid());
 
--- Over dblink (autocommit): put a revision of p_contract and activate it; the event seq.
-CREATE FUNCTION tests.remote_activate18b(p_contract text, p_n integer) RETURNS bigint
-LANGUAGE sql AS $$
-    SELECT t.seq
-    FROM dblink(
-        'tap18b_w',
-        format(
-            'SELECT (ql3.activate_revision(%1$L, ''policy_routing'', %2$L, r.revision_id, ''tap18b'')).seq
-             FROM ql3.put_revision(%1$L, ''policy_routing'', %2$L, jsonb_build_object(''n'', %3$s), ''tap18b'') AS r',
-            tests.p(), p_contract, p_n
-        )
-    ) AS t (seq bigint);
-$$;
-
 -- Over dblink, in p_conn's open transaction: claim_outbox(p_limit), its seqs in order.
 CREATE FUNCTION tests.remote_claim18b(p_conn text, p_limit integer) RETURNS bigint []
 LANGUAGE sql AS $$
@@ -41,6 +27,12 @@ LANGUAGE sql AS $$
         p_conn,
         format('SELECT ql3.prune_outbox(%L::interval, 100000)', now() - timestamptz '2000-01-02 00:00:00+00')
     ) AS t (removed integer);
+$$;
+
+-- Over dblink, in p_conn's session: mark_outbox_delivered of p_seqs; how many changed.
+CREATE FUNCTION tests.remote_deliver18b(p_conn text, p_seqs bigint []) RETURNS integer
+LANGUAGE sql AS $$
+    SELECT t.n FROM dblink(p_conn, format('SELECT ql3.mark_outbox_delivered(%L::bigint[])', p_seqs)) AS t (n integer);
 $$;
 
 -- This file's rows still in the outbox, in seq order.
@@ -84,19 +76,16 @@ FROM dblink(
 INSERT INTO tests.seqs18b (name, seq)
 SELECT
     'a' || g.n AS name,
-    tests.remote_activate18b('a', g.n) AS seq
+    tests.remote_activate('tap18b_w', 'a', g.n) AS seq
 FROM generate_series(1, 4) AS g (n);
 INSERT INTO tests.seqs18b (name, seq)
 SELECT
     'b' || g.n AS name,
-    tests.remote_activate18b('b', g.n) AS seq
+    tests.remote_activate('tap18b_w', 'b', g.n) AS seq
 FROM generate_series(1, 3) AS g (n);
 
 -- a1..a3 and b1 delivered in 2000 (prunable); a4, b2, b3 wait for the relay.
-SELECT t.n
-FROM dblink('tap18b_w', format(
-    'SELECT ql3.mark_outbox_delivered(%L::bigint[])', tests.s18b('{a1,a2,a3,b1}')
-)) AS t (n integer);
+SELECT tests.remote_deliver18b('tap18b_w', tests.s18b('{a1,a2,a3,b1}'));
 SELECT dblink_exec('tap18b_w', format(
     'UPDATE ql3.contract_outbox SET delivered_at = timestamptz ''2000-01-01 00:00:00+00'' WHERE seq = ANY(%L::bigint[])',
     tests.s18b('{a1,a2,a3,b1}')
@@ -123,11 +112,7 @@ SELECT is(
     tests.remote_claim18b('tap18b_relay', 2), tests.s18b('{a4,b2}'),
     'meanwhile the relay claims the two oldest undelivered rows in seq order, without waiting'
 );
-SELECT is(
-    (SELECT t.n FROM dblink('tap18b_relay', format(
-        'SELECT ql3.mark_outbox_delivered(%L::bigint[])', tests.s18b('{a4,b2}'))) AS t (n integer)),
-    2, 'and marks them delivered'
-);
+SELECT is(tests.remote_deliver18b('tap18b_relay', tests.s18b('{a4,b2}')), 2, 'and marks them delivered');
 SELECT dblink_exec('tap18b_relay', 'COMMIT');
 SELECT dblink_exec('tap18b_prune', 'COMMIT');
 SELECT is(
@@ -159,11 +144,7 @@ SELECT is(
     tests.remote_claim18b('tap18b_prune', 10), '{}'::bigint [],
     'a second claimer skips the row the relay holds (nothing else is undelivered)'
 );
-SELECT is(
-    (SELECT t.n FROM dblink('tap18b_relay', format(
-        'SELECT ql3.mark_outbox_delivered(%L::bigint[])', tests.s18b('{b3}'))) AS t (n integer)),
-    1, 'the relay marks its claim delivered'
-);
+SELECT is(tests.remote_deliver18b('tap18b_relay', tests.s18b('{b3}')), 1, 'the relay marks its claim delivered');
 SELECT dblink_exec('tap18b_relay', 'COMMIT');
 SELECT is(tests.oldest_undelivered18b(10), '{}'::bigint [], 'nothing is left undelivered');
 SELECT is(

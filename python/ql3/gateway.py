@@ -49,6 +49,8 @@ import contextvars
 import hashlib
 import inspect
 import logging
+import sys
+import threading
 import uuid
 from collections.abc import (
     AsyncGenerator,
@@ -101,19 +103,35 @@ _MAX_CACHED_POLICIES: Final = 1024
 log = logging.getLogger("ql3.gateway")
 
 # MODEL_AUDIT_UNAVAILABLE answers by phase, on prometheus_client's default registry, which
-# the application's own /metrics serves (D57). prometheus-client comes with the relay
-# extra; without it (the edge install) nothing is counted.
+# the application's own /metrics serves (D57). Registered only once the application has
+# loaded prometheus_client (it serves /metrics with it): the gateway never loads it, so an
+# edge device or an application without metrics loads no metrics library (D57).
 _audit_unavailable: Any = None
-with contextlib.suppress(ImportError):
-    import prometheus_client
+_audit_lock = threading.Lock()
 
-    _audit_unavailable = prometheus_client.Counter(
-        "ql3_gateway_audit_unavailable",
-        "Model calls answered MODEL_AUDIT_UNAVAILABLE, by phase (admission, completion).",
-        ["phase"],
-    )
-    for _phase in ("admission", "completion"):
-        _audit_unavailable.labels(phase=_phase)
+
+def _audit_counter() -> Any:
+    """The counter, registered the first time it is asked for while prometheus_client is
+    loaded; None while it is not."""
+    global _audit_unavailable
+    if _audit_unavailable is None and "prometheus_client" in sys.modules:
+        with _audit_lock:
+            if _audit_unavailable is None:
+                import prometheus_client
+
+                counter = prometheus_client.Counter(
+                    "ql3_gateway_audit_unavailable",
+                    "Model calls answered MODEL_AUDIT_UNAVAILABLE, by phase "
+                    "(admission, completion).",
+                    ["phase"],
+                )
+                for phase in ("admission", "completion"):
+                    counter.labels(phase=phase)
+                _audit_unavailable = counter
+    return _audit_unavailable
+
+
+_audit_counter()
 
 
 def _log(level: int, event: str, **fields: Any) -> None:
@@ -179,8 +197,9 @@ class ModelAuditUnavailable(GatewayError):
         self.cause_code = cause_code
         self.cause_outcome = cause_outcome
         # Counted here: the gateway creates one only to raise it at once.
-        if _audit_unavailable is not None:
-            _audit_unavailable.labels(phase=phase).inc()
+        counter = _audit_counter()
+        if counter is not None:
+            counter.labels(phase=phase).inc()
 
 
 class ModelInvocationReplayBlocked(GatewayError):
@@ -652,6 +671,7 @@ class ModelGateway:
         self._store_threads = store_threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._routes: dict[str, tuple[PolicyRoute, ...]] = {}
+        _audit_counter()  # its series exist from the start when the application has metrics
 
     async def aclose(self) -> None:
         """Close the provider's connections and let the store threads end once their calls

@@ -30,6 +30,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -373,7 +374,17 @@ def test_a_deadline_without_a_time_zone_is_the_calls_own_error_and_admits_nothin
     assert world.starts() == 0
 
 
+def audit_unavailable_count(phase: str) -> float:
+    """The gateway's counter on the default registry (the test process loads
+    prometheus_client, so the gateway registered it)."""
+    value = REGISTRY.get_sample_value("ql3_gateway_audit_unavailable_total", {"phase": phase})
+    assert value is not None, "the counter and its phase series exist before any failure"
+    return value
+
+
 def test_unreachable_database_is_audit_unavailable_and_calls_no_provider(world: World) -> None:
+    before = audit_unavailable_count("admission"), audit_unavailable_count("completion")
+
     async def scenario() -> None:
         closed = make_store(
             world, with_params(world.runtime_dsn, port=str(free_port())), Timeouts(connect_s=1)
@@ -390,6 +401,8 @@ def test_unreachable_database_is_audit_unavailable_and_calls_no_provider(world: 
     run(scenario())
     assert world.provider.calls == 0
     assert world.starts() == 0
+    after = audit_unavailable_count("admission"), audit_unavailable_count("completion")
+    assert after == (before[0] + 1, before[1]), "one admission failure counted, by its phase"
 
 
 def test_statement_timeout_in_admission_is_audit_unavailable_and_writes_nothing(

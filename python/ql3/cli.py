@@ -9,12 +9,18 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ql3 import canonical, errors
 from ql3.db import dsn_from_env
 from ql3.safe_text import command_secrets, error_text, json_text
 from ql3.store import PgStore
+
+if TYPE_CHECKING:
+    from ql3.edge import EdgeStore
+
+    Store = PgStore | EdgeStore
+    """What ``open_any_store`` gives: PostgreSQL's, or an edge file's with ``--sqlite``."""
 
 # Modules that contribute subcommands; a module missing from this install is skipped.
 COMMAND_MODULES = (
@@ -74,6 +80,16 @@ def open_store(args: argparse.Namespace) -> PgStore:
     return PgStore.checked(dsn_from_env(args.dsn), max_connections=1)
 
 
+def open_any_store(args: argparse.Namespace) -> Store:
+    """``open_store``, or with ``--sqlite PATH`` the ``EdgeStore`` of that file, which
+    must exist and be migrated (``EdgeStore.checked``; D58)."""
+    if getattr(args, "sqlite", None) is not None:
+        from ql3.edge import EdgeStore
+
+        return EdgeStore.checked(args.sqlite)
+    return open_store(args)
+
+
 def _revision_put(args: argparse.Namespace) -> int:
     body = _read_body(args)  # bad input is refused before any connection
     with open_store(args) as store:
@@ -117,6 +133,19 @@ def _revision_show(args: argparse.Namespace) -> int:
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help="PostgreSQL conninfo (default: $QL3_DSN)")
+
+
+SQLITE_HELP = (
+    "instead of PostgreSQL, the SQLite file of an edge device (ql3.edge); it must exist and "
+    "be migrated"
+)
+
+
+def add_dsn_or_sqlite(parser: argparse.ArgumentParser, dsn_help: str | None = None) -> None:
+    """``--dsn`` or ``--sqlite PATH``, not both: the commands that run on either store."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--dsn", help=dsn_help or "PostgreSQL conninfo (default: $QL3_DSN)")
+    where.add_argument("--sqlite", metavar="PATH", help=SQLITE_HELP)
 
 
 def _contract_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -44,7 +45,14 @@ from ql3.gateway import (
     ModelInvocationReplayBlocked,
     deadline_in,
 )
-from ql3.invocations import Decision, Usage, output_digest, resolution_command
+from ql3.invocations import (
+    Decision,
+    Usage,
+    admission_command,
+    output_digest,
+    request_digest,
+    resolution_command,
+)
 from ql3.provider_types import (
     TOPOLOGY_CONTRACT,
     TOPOLOGY_FAMILY,
@@ -100,6 +108,8 @@ class Backend:
     store: Any
     cache: Cache
     migrations: list[str]
+    where: list[str]
+    """The ``ql3`` command's flags for this store: ``--sqlite PATH`` or ``--dsn DSN``."""
 
 
 # -- the stub provider's behaviour, chosen by the last user message --------------------------------
@@ -314,7 +324,9 @@ async def sqlite_backend(path: Path, journal_mode: str) -> AsyncIterator[Backend
     relay.start()
     try:
         applied = [f"{a.stream} {a.file_name}" for a in store.applied]
-        yield Backend(f"SQLite ({journal_mode}) {path}", store, cache, applied)
+        yield Backend(
+            f"SQLite ({journal_mode}) {path}", store, cache, applied, ["--sqlite", str(path)]
+        )
     finally:
         relay.close()
         cache.close()
@@ -357,7 +369,7 @@ async def postgres_backend(dsn: str, redis_url: str) -> AsyncIterator[Backend]:
         await cache.start()
         where = conninfo_to_dict(dsn)
         name = f"PostgreSQL {where.get('dbname', '')} on {where.get('host', 'localhost')}"
-        yield Backend(name, store, cache, applied)
+        yield Backend(name, store, cache, applied, ["--dsn", dsn])
     finally:
         await cache.close()
         await relay.stop()
@@ -526,9 +538,60 @@ async def narrate(backend: Backend, stub: StubSide) -> None:
         say(f"a new invocation on the same step succeeds: attempt {retried.start['attempt']}")
         show_step(store, steps["abort"])
 
+    await operate_from_the_command_line(backend, run_id)
+
     summary = store.usage_summary(PROJECT)
     say("usage summary (unknown cost counted apart, never as 0)", summary)
     say("outbox backlog", store.outbox_backlog())
+
+
+def ql3_command(where: list[str], *argv: str) -> int:
+    """Run one ``ql3`` command in process, shown first as a user would type it (a DSN as
+    ``$QL3_DSN``, which may hold a password)."""
+    from ql3 import cli
+
+    flags = ["--dsn", "$QL3_DSN"] if where[0] == "--dsn" else where
+    shown = shlex.join(["ql3", *argv, *flags]).replace("'$QL3_DSN'", "$QL3_DSN")
+    print(f"\n   $ {shown}", flush=True)
+    return cli.main([*argv, *where])
+
+
+async def operate_from_the_command_line(backend: Backend, run_id: str) -> None:
+    """A worker that crashes after admission leaves a Start receipt and nothing else: once
+    its deadline has passed, ``ql3 recover`` settles it as lost, ``ql3 invocations list
+    --unresolved`` shows it waiting for a human, and ``ql3 resolve`` decides it."""
+    try:
+        from ql3 import cli, recovery  # noqa: F401  (what the ql3 command needs)
+    except ModuleNotFoundError as exc:
+        say(f"the ql3 command needs {exc.name}: pip install 'ql3[relay]' to run it here")
+        return
+    store = backend.store
+    step = store.add_step_run(run_id, "model")
+    crashed = f"inv-crashed-{step[:8]}"
+    store.admit_invocation(
+        admission_command(
+            invocation_id=crashed, request_id=f"req-{crashed}", project_id=PROJECT,
+            run_id=run_id, step_run_id=step, trace_id=TRACE, expected_step_run_version=1,
+            provider="stub", model=QWEN, policy=None, request_digest=request_digest(b"hi"),
+            input_bytes=2, deadline_at=deadline_in(0.5),
+        )
+    )  # fmt: skip
+    say(f"a worker admits {crashed} and crashes before the call completes: a Start receipt "
+        "and nothing else")  # fmt: skip
+    show_step(store, step)
+    await asyncio.sleep(0.6)
+    note("its deadline has passed; an operator settles, finds and resolves it from the shell:")
+    where = backend.where
+    for argv in (
+        ("recover", "--grace", "0"),
+        ("invocations", "list", "--unresolved"),
+        ("resolve", crashed, "--decision", "fail", "--user", "carol",
+         "--reason", "the worker crashed; the user was told to retry"),
+    ):  # fmt: skip
+        code = await asyncio.to_thread(ql3_command, where, *argv)
+        if code != 0:
+            raise RuntimeError(f"ql3 {argv[0]} exited {code}")
+    show_step(store, step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,9 +1,10 @@
-"""The ``ql3 invocations``, ``ql3 resolve`` and ``ql3 usage`` commands, and the small read
-queries behind them.
+"""The ``ql3 invocations``, ``ql3 resolve`` and ``ql3 usage`` commands, on PostgreSQL
+(``--dsn``) or on an edge device's SQLite file (``--sqlite``).
 
-Writes go through the store (``resolve_invocation``, the SQL function). The reads here
-select from the ``ql3_ai`` receipt tables directly, which ``ql3_reader``, ``ql3_operator``
-and ``ql3_runtime`` may all do; they are operator views, not part of the store interface.
+Everything goes through the store interface, so both stores run the same code: writes
+through ``resolve_invocation`` (the SQL function, or its SQLite twin), reads through the
+operator reads ``list_invocations``, ``unresolved_invocations`` and ``invocation``
+(``ql3.invocation_reads`` and ``ql3.edge.invocation_reads``).
 """
 
 from __future__ import annotations
@@ -13,83 +14,22 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
-
-from psycopg.rows import dict_row
+from typing import TYPE_CHECKING, Any
 
 from ql3 import arguments, errors
-from ql3.cli import open_store, print_json
+from ql3.cli import add_dsn_or_sqlite, open_any_store, print_json
 from ql3.invocations import Decision, parse_timestamp, resolution_command
 from ql3.safe_text import command_secrets, error_text, escape_controls, redact
-from ql3.store import PgStore, Row
+
+if TYPE_CHECKING:
+    from ql3.cli import Store
+
+Row = dict[str, Any]
 
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 10000
 MAX_RESOLVE_IDS = MAX_LIST_LIMIT
 """At most this many invocations per ``ql3 resolve``: a full page of the queue."""
-
-_LIST_COLUMNS = """
-SELECT st.invocation_id, st.project_id, st.run_id::text AS run_id,
-       st.step_run_id::text AS step_run_id, st.attempt, st.provider, st.model,
-       st.record ->> 'deadline_at' AS deadline_at, st.record ->> 'admitted_at' AS admitted_at,
-       c.outcome, c.result_code, c.recovered, c.record ->> 'completed_at' AS completed_at,
-       v.decision, v.user_id AS resolved_as, v.resolved_by::text AS resolved_by,
-       v.record ->> 'resolved_at' AS resolved_at
-FROM ql3_ai.model_invocation_starts AS st
-LEFT JOIN ql3_ai.model_invocation_completions AS c ON c.invocation_id = st.invocation_id
-LEFT JOIN ql3_ai.model_invocation_resolutions AS v ON v.invocation_id = st.invocation_id
-"""
-
-# The resolution queue: lost and waiting for a human, oldest first (the order a queue is
-# worked in). One bounded query: the partial index on lost completions delivers the order
-# (and the --older-than range), the anti-join drops the resolved ones, and LIMIT n + 1
-# tells whether more are waiting. Age runs from the lost completion: the moment the call
-# entered the queue, which is what a human has let wait.
-_UNRESOLVED_SQL = """
-SELECT st.invocation_id, st.project_id, st.run_id::text AS run_id,
-       st.step_run_id::text AS step_run_id, st.attempt, st.provider, st.model,
-       st.policy_contract_family, st.policy_contract_id,
-       st.policy_revision_id::text AS policy_revision_id,
-       st.record ->> 'deadline_at' AS deadline_at, st.record ->> 'admitted_at' AS admitted_at,
-       c.outcome, c.result_code, c.recovered, c.record ->> 'completed_at' AS completed_at,
-       extract(epoch FROM pg_catalog.now() - c.completed_at)::float8 AS age_seconds
-FROM ql3_ai.model_invocation_completions AS c
-INNER JOIN ql3_ai.model_invocation_starts AS st ON st.invocation_id = c.invocation_id
-WHERE c.outcome = 'lost'
-  AND c.completed_at <= pg_catalog.now() - %(older_than)s::interval
-  AND (%(projects)s::text[] IS NULL OR c.project_id = any(%(projects)s::text[]))
-  AND NOT EXISTS (
-      SELECT 1 FROM ql3_ai.model_invocation_resolutions AS v
-      WHERE v.invocation_id = c.invocation_id)
-ORDER BY c.completed_at, c.invocation_id
-LIMIT %(limit)s
-"""
-
-_RECENT_SQL = (
-    _LIST_COLUMNS
-    + """WHERE %(projects)s::text[] IS NULL OR st.project_id = any(%(projects)s::text[])
-ORDER BY st.admitted_at DESC, st.invocation_id DESC
-LIMIT %(limit)s"""
-)
-
-_SHOW_SQL = """
-SELECT st.record AS start, st.start_digest,
-       c.record AS completion, c.completion_digest,
-       v.record AS resolution, v.resolution_digest, v.resolved_by::text AS resolved_by,
-       to_jsonb(s) AS step, to_jsonb(u) AS usage
-FROM ql3_ai.model_invocation_starts AS st
-INNER JOIN ql3.step_runs AS s ON s.step_run_id = st.step_run_id
-LEFT JOIN ql3_ai.model_invocation_completions AS c ON c.invocation_id = st.invocation_id
-LEFT JOIN ql3_ai.model_invocation_resolutions AS v ON v.invocation_id = st.invocation_id
-LEFT JOIN ql3_ai.usage_ledger AS u ON u.invocation_id = st.invocation_id
-WHERE st.invocation_id = %s
-"""
-
-
-def _query(store: PgStore, sql: str, params: Sequence[Any] | dict[str, Any]) -> list[Row]:
-    with store.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(sql, params)
-        return list(cur.fetchall())
 
 
 def _check_limit(limit: int) -> None:
@@ -97,12 +37,8 @@ def _check_limit(limit: int) -> None:
         raise errors.InvalidArgument(f"QL3_INVALID_ARGUMENT: limit must be 1..{MAX_LIST_LIMIT}")
 
 
-def _project_list(projects: Sequence[str] | None) -> list[str] | None:
-    return None if not projects else list(projects)
-
-
 def list_invocations(
-    store: PgStore,
+    store: Store,
     *,
     projects: Sequence[str] | None = None,
     limit: int = DEFAULT_LIST_LIMIT,
@@ -110,7 +46,7 @@ def list_invocations(
     """Invocations with their outcome and resolution, newest first (all of the login's
     projects, or only ``projects``)."""
     _check_limit(limit)
-    return _query(store, _RECENT_SQL, {"projects": _project_list(projects), "limit": limit})
+    return store.list_invocations(projects, limit)
 
 
 @dataclass(frozen=True)
@@ -122,7 +58,7 @@ class Queue:
 
 
 def unresolved_invocations(
-    store: PgStore,
+    store: Store,
     *,
     projects: Sequence[str] | None = None,
     older_than: timedelta = timedelta(0),
@@ -130,24 +66,24 @@ def unresolved_invocations(
 ) -> Queue:
     """The lost (outcome_unknown) invocations no human has resolved yet, oldest first:
     age is the time since the lost completion, when the call entered the queue. Only the
-    login's projects (row-level security), and of those only ``projects`` when given."""
+    login's projects (row-level security), and of those only ``projects`` when given.
+    One bounded read of ``limit + 1`` rows tells whether more are waiting."""
     _check_limit(limit)
-    params = {"projects": _project_list(projects), "older_than": older_than, "limit": limit + 1}
-    rows = _query(store, _UNRESOLVED_SQL, params)
+    rows = store.unresolved_invocations(projects, older_than, limit + 1)
     return Queue(rows=rows[:limit], more=len(rows) > limit)
 
 
-def invocation_detail(store: PgStore, invocation_id: str) -> Row:
+def invocation_detail(store: Store, invocation_id: str) -> Row:
     """Start, completion, resolution (records and digests), the step as it is now, and
     the usage ledger row of one invocation; ``NotFound`` when it was never admitted."""
-    rows = _query(store, _SHOW_SQL, (invocation_id,))
-    if not rows:
+    row = store.invocation(invocation_id)
+    if row is None:
         raise errors.NotFound(f"QL3_NOT_FOUND: invocation {invocation_id} was never admitted")
-    return {"invocation_id": invocation_id, **rows[0]}
+    return {"invocation_id": invocation_id, **row}
 
 
 def resolve(
-    store: PgStore,
+    store: Store,
     invocation_id: str,
     *,
     decision: Decision | str,
@@ -244,11 +180,11 @@ def _list(args: argparse.Namespace) -> int:
     if not args.unresolved:
         if args.older_than is not None:
             raise errors.Misconfigured("QL3_INVALID_ARGUMENT: --older-than needs --unresolved")
-        with open_store(args) as store:
+        with open_any_store(args) as store:
             rows = list_invocations(store, projects=projects, limit=args.limit)
         print_json(rows)
         return 0
-    with open_store(args) as store:
+    with open_any_store(args) as store:
         queue = unresolved_invocations(
             store, projects=projects, older_than=args.older_than or timedelta(0), limit=args.limit
         )
@@ -268,13 +204,13 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    with open_store(args) as store:
+    with open_any_store(args) as store:
         print_json(invocation_detail(store, args.invocation_id))
     return 0
 
 
 def resolve_many(
-    store: PgStore,
+    store: Store,
     invocation_ids: Sequence[str],
     *,
     decision: Decision | str,
@@ -329,7 +265,7 @@ def _resolve(args: argparse.Namespace) -> int:
         raise errors.Misconfigured(
             f"QL3_INVALID_ARGUMENT: at most {MAX_RESOLVE_IDS} invocations per command"
         )
-    with open_store(args) as store:
+    with open_any_store(args) as store:
         results = resolve_many(
             store, ids, decision=args.decision, user_id=args.user, reason=args.reason
         )
@@ -368,14 +304,10 @@ def _resolve(args: argparse.Namespace) -> int:
 def _usage(args: argparse.Namespace) -> int:
     since = None if args.since is None else parse_timestamp(args.since)
     until = None if args.until is None else parse_timestamp(args.until)
-    with open_store(args) as store:
+    with open_any_store(args) as store:
         rows = store.usage_summary(args.project, since, until)
     print_json(rows)
     return 0
-
-
-def _add_dsn(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dsn", help="PostgreSQL conninfo (default: $QL3_DSN)")
 
 
 def register(subparsers: Any) -> None:
@@ -463,4 +395,4 @@ def register(subparsers: Any) -> None:
     usage.set_defaults(func=_usage)
 
     for parser in (listing, show, resolve_cmd, usage):
-        _add_dsn(parser)
+        add_dsn_or_sqlite(parser)

@@ -42,8 +42,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ql3 import arguments, errors
-from ql3.cli import print_json
+from ql3.cli import SQLITE_HELP, print_json
 from ql3.db import Timeouts, dsn_from_env
+from ql3.edge import EdgeStore
 from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
 from ql3.logs import backoff_delay, configure_logging, describe_error
@@ -135,24 +136,17 @@ class RecoveryConfig:
         return self.interval + self.statement_timeout + self.health_margin
 
 
-# The unresolved gauge covers at most this many projects, those waiting longest (D57).
+# The unresolved gauge covers at most this many projects, those waiting longest (D57),
+# read with one bounded query per round (``unresolved_by_project``).
 UNRESOLVED_PROJECTS_LIMIT = 100
 
-# One bounded query per round (D57): the lost completions (a partial index) without a
-# resolution, grouped by project, the projects that have waited longest first.
-_UNRESOLVED_BY_PROJECT_SQL = """
-SELECT c.project_id AS project,
-       count(*) AS unresolved,
-       greatest(0, extract(epoch FROM now() - min(c.completed_at)))::float8 AS oldest_age_seconds
-FROM ql3_ai.model_invocation_completions AS c
-WHERE c.outcome = 'lost'
-  AND NOT EXISTS (
-      SELECT 1 FROM ql3_ai.model_invocation_resolutions AS v
-      WHERE v.invocation_id = c.invocation_id)
-GROUP BY c.project_id
-ORDER BY min(c.completed_at), c.project_id
-LIMIT %s
-"""
+Store = PgStore | EdgeStore
+"""What the loop runs on: PostgreSQL, or an edge device's SQLite file (``--sqlite``)."""
+
+EDGE_RETENTION_REFUSED = (
+    "QL3_INVALID_ARGUMENT: --outbox-retention (QL3_OUTBOX_RETENTION) prunes PostgreSQL's "
+    "outbox; an edge file's outbox is not pruned by ql3 recover (D58)"
+)
 
 
 class RecoveryMetrics:
@@ -215,19 +209,23 @@ class RecoveryMetrics:
 class RecoveryLoop:
     """The recovery daemon: ``run`` until ``request_stop``.
 
-    Pass a ``PgStore`` (kept open) or a conninfo (a one-connection store, closed when
-    ``run`` returns). In-process use: ``start()`` runs it in a thread, ``stop()`` ends it;
-    ``wait_until`` waits for a condition on its counters without sleeping blindly.
+    Pass a ``PgStore`` or an ``EdgeStore`` (kept open) or a conninfo (a one-connection
+    ``PgStore``, closed when ``run`` returns). Every call goes through the store
+    interface; only the outbox prune is PostgreSQL's (D58). In-process use: ``start()``
+    runs it in a thread, ``stop()`` ends it; ``wait_until`` waits for a condition on its
+    counters without sleeping blindly.
     """
 
     def __init__(
         self,
-        store: PgStore | str,
+        store: Store | str,
         config: RecoveryConfig | None = None,
         *,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config or RecoveryConfig()
+        if isinstance(store, EdgeStore) and self.config.outbox_retention is not None:
+            raise errors.Misconfigured(EDGE_RETENTION_REFUSED)
         self._store_arg = store
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = RecoveryMetrics(self.registry)
@@ -286,6 +284,7 @@ class RecoveryLoop:
 
     def run(self) -> None:
         """Recover until ``request_stop``: drain, wait ``interval``, again; back off on errors."""
+        store: Store
         if isinstance(self._store_arg, str):
             store, owned = owned_store(self._store_arg, self.config), True
         else:
@@ -326,7 +325,7 @@ class RecoveryLoop:
 
     # -- work --------------------------------------------------------------------------
 
-    def run_batch(self, store: PgStore) -> Row:
+    def run_batch(self, store: Store) -> Row:
         """One ``recover_expired`` call; its result. Errors propagate (as ``ql3.errors``)."""
         result = store.recover_expired(self.config.limit, self.config.grace_seconds)
         count = int(result["count"])
@@ -372,7 +371,7 @@ class RecoveryLoop:
         )
         return result
 
-    def drain(self, store: PgStore) -> int:
+    def drain(self, store: Store) -> int:
         """Batches until one comes back short of ``limit`` or a stop is requested."""
         total = 0
         while True:
@@ -381,13 +380,14 @@ class RecoveryLoop:
             if count < self.config.limit or self._stop.is_set():
                 return total
 
-    def observe_unresolved(self, store: PgStore) -> None:
+    def observe_unresolved(self, store: Store) -> None:
         """Set the unresolved gauges from one query; a failure is logged and counted, and
         the gauges keep their last values (recovery goes on, D57)."""
         try:
-            with store.connection() as conn, conn.cursor() as cur:
-                cur.execute(_UNRESOLVED_BY_PROJECT_SQL, (UNRESOLVED_PROJECTS_LIMIT,))
-                rows = cur.fetchall()
+            rows = [
+                (row["project"], row["unresolved"], row["oldest_age_seconds"])
+                for row in store.unresolved_by_project(UNRESOLVED_PROJECTS_LIMIT)
+            ]
         except Exception as exc:
             self.metrics.unresolved_errors.inc()
             _log(logging.WARNING, "unresolved_query_failed", error=describe_error(exc))
@@ -405,14 +405,18 @@ class RecoveryLoop:
             )
         self._unresolved_projects = seen
 
-    def maybe_prune(self, store: PgStore) -> int:
+    def maybe_prune(self, store: Store) -> int:
         """With a retention set, a prune round at most once per ``prune_interval``: at most
         ``PRUNE_MAX_BATCHES`` bounded batches (the next round goes on). A failure is logged
         and counted, and recovery goes on (D55). Returns the rows removed."""
         retention = self.config.outbox_retention
         now = time.monotonic()
-        if retention is None or (
-            self._last_prune is not None and now - self._last_prune < self.config.prune_interval
+        if (
+            retention is None
+            or not isinstance(store, PgStore)  # refused at __init__ (D58)
+            or (
+                self._last_prune is not None and now - self._last_prune < self.config.prune_interval
+            )
         ):
             return 0
         self._last_prune = now
@@ -599,7 +603,7 @@ def owned_store(dsn: str, config: RecoveryConfig, *, checked: bool = False) -> P
 _SIGNAL_POLL_SECONDS = 0.1
 
 
-def serve(dsn: str, config: RecoveryConfig) -> int:
+def serve(store: Store | str, config: RecoveryConfig) -> int:
     """Run the loop until SIGTERM or SIGINT: 0 after a clean stop, 1 when the batch in
     flight did not return within ``config.stop_grace`` (it is abandoned; the server rolls
     its transaction back when the process is gone).
@@ -609,7 +613,7 @@ def serve(dsn: str, config: RecoveryConfig) -> int:
     between any two bytecodes, possibly while that thread holds a lock (an Event's), so it
     must take none. The main thread notices the signal within ``_SIGNAL_POLL_SECONDS``.
     """
-    loop = RecoveryLoop(dsn, config)
+    loop = RecoveryLoop(store, config)
     received: list[int] = []
     failure: list[BaseException] = []
 
@@ -649,17 +653,35 @@ def serve(dsn: str, config: RecoveryConfig) -> int:
     return 0
 
 
+def edge_store(path: str, config: RecoveryConfig) -> EdgeStore:
+    """The ``EdgeStore`` of ``--sqlite``: an existing, migrated file (``EdgeStore.checked``);
+    ``statement_timeout`` bounds its busy wait, as it bounds a batch on PostgreSQL (D58)."""
+    if config.outbox_retention is not None:
+        raise errors.Misconfigured(EDGE_RETENTION_REFUSED)
+    busy_ms = max(1, round(config.statement_timeout * 1000))
+    return EdgeStore.checked(path, busy_timeout_ms=busy_ms)
+
+
 def command(args: argparse.Namespace) -> int:
-    """``ql3 recover``: one bounded call, or the daemon with ``--loop``."""
-    dsn = dsn_from_env(args.dsn)
+    """``ql3 recover``: one bounded call, or the daemon with ``--loop``; on PostgreSQL, or
+    with ``--sqlite`` on an edge device's file."""
+    dsn = None if args.sqlite is not None else dsn_from_env(args.dsn)
     try:
         config = config_from_args(args)
     except errors.InvalidArgument as exc:
         raise errors.Misconfigured(exc.message) from None
     if args.loop:
         configure_logging(args.log_level or os.environ.get("QL3_LOG_LEVEL") or "info")
-        return serve(dsn, config)
-    with owned_store(dsn, config, checked=True) as store:
+        if dsn is not None:
+            return serve(dsn, config)
+        with edge_store(args.sqlite, config) as edge:
+            return serve(edge, config)
+    store: Store
+    if dsn is not None:
+        store = owned_store(dsn, config, checked=True)
+    else:
+        store = edge_store(args.sqlite, config)
+    with store:
         print_json(store.recover_expired(config.limit, config.grace_seconds))
     return 0
 
@@ -673,7 +695,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = parser.add_argument
-    a("--dsn", help="PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--dsn", help="PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)"
+    )
+    where.add_argument("--sqlite", metavar="PATH", help=SQLITE_HELP)
     a("--limit", type=int, help=f"invocations per batch, 1..{MAX_LIMIT} (default {DEFAULT_LIMIT})")
     a(
         "--grace",
@@ -693,8 +719,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     a(
         "--statement-timeout",
         type=float,
-        help="seconds a recovery batch may run in the database "
-        f"(default {DEFAULT_STATEMENT_TIMEOUT_SECONDS:g})",
+        help="seconds a recovery batch may run in the database; with --sqlite, how long it "
+        f"waits for the file's write lock (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS:g})",
     )
     a(
         "--health-margin",
@@ -712,7 +738,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--outbox-retention",
         type=arguments.duration_type,
         help="with --loop: prune delivered outbox rows older than this (7d, 12h; default: "
-        "$QL3_OUTBOX_RETENTION, else never; D55)",
+        "$QL3_OUTBOX_RETENTION, else never; D55); PostgreSQL only, refused with --sqlite",
     )
     a(
         "--outbox-prune-batch",

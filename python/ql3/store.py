@@ -10,7 +10,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -19,12 +19,14 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from ql3 import arguments, errors, pooler
+from ql3 import arguments, errors, invocation_reads, pooler
 from ql3.db import Timeouts, connect, make_pool, translated
 from ql3.db_guard import bounded, checked_out
+from ql3.invocation_reads import check_limit, check_projects
 from ql3.invocations import as_utc, recovery_arguments
 
 Row = dict[str, Any]
+Params = Sequence[Any] | Mapping[str, Any]
 _log = logging.getLogger("ql3.store")
 ContractKey = tuple[str, str, str]
 
@@ -182,12 +184,12 @@ class PgStore:
             if not conn.autocommit:
                 conn.commit()
 
-    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    def _rows(self, sql: str, params: Params = ()) -> list[Row]:
         with self.connection() as conn:
             return self._rows_on(conn, sql, params)
 
     @staticmethod
-    def _rows_on(conn: Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
+    def _rows_on(conn: Connection[Any], sql: str, params: Params) -> list[Row]:
         with conn.cursor(row_factory=dict_row) as cur:
             pooler.execute(conn, cur, sql, params)
             return list(cur.fetchall())
@@ -367,3 +369,39 @@ class PgStore:
             "SELECT * FROM ql3_ai.usage_summary(%s, %s, %s)",
             (project_id, as_utc(since), as_utc(until)),
         )
+
+    # -- operator reads (``ql3 invocations``, ``ql3 resolve``, the recovery gauges) -------
+
+    def list_invocations(
+        self, projects: Sequence[str] | None = None, limit: int = 100
+    ) -> list[Row]:
+        """Invocations with their outcome and resolution, newest first: at most ``limit``,
+        of the login's projects (row-level security), and of those only ``projects`` when
+        given. Timestamps in the record spelling."""
+        params = {"projects": check_projects(projects), "limit": check_limit(limit)}
+        return self._rows(invocation_reads.RECENT_SQL, params)
+
+    def unresolved_invocations(
+        self,
+        projects: Sequence[str] | None = None,
+        older_than: timedelta = timedelta(0),
+        limit: int = 100,
+    ) -> list[Row]:
+        """The resolution queue: lost invocations no human has resolved, lost at least
+        ``older_than`` ago, oldest first, at most ``limit``; ``age_seconds`` runs from the
+        lost completion."""
+        params = {"projects": check_projects(projects), "older_than": older_than,
+                  "limit": check_limit(limit)}  # fmt: skip
+        return self._rows(invocation_reads.UNRESOLVED_SQL, params)
+
+    def invocation(self, invocation_id: str) -> Row | None:
+        """One invocation: ``start``, ``completion`` and ``resolution`` records with their
+        digests, ``resolved_by``, the ``step`` as it is now and its ``usage`` row; None when
+        it was never admitted."""
+        arguments.check_text_args(invocation_id)
+        return self._row(invocation_reads.DETAIL_SQL, (invocation_id,))
+
+    def unresolved_by_project(self, limit: int = 100) -> list[Row]:
+        """Lost invocations waiting for a human, by project: ``project``, ``unresolved``
+        and ``oldest_age_seconds``, the projects waiting longest first, at most ``limit``."""
+        return self._rows(invocation_reads.UNRESOLVED_BY_PROJECT_SQL, (check_limit(limit),))

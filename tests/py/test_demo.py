@@ -28,6 +28,20 @@ STORY = [
     r"ready v4 attempt 1 result_code=None",
     r"a new invocation on the same step succeeds: attempt 2",
     r"succeeded v6 attempt 2 result_code=ok",
+    # A crashed worker's call, recovered and resolved from the command line (issue 22.4).
+    r"a worker admits inv-crashed-\w+ and crashes before the call completes",
+    r"running v2 attempt 1 result_code=None",
+    r"\$ ql3 recover --grace 0 (--sqlite \S+|--dsn \$QL3_DSN)\n",
+    r'"count": 1,',
+    r'"invocation_id": "inv-crashed-\w+"',
+    r"\$ ql3 invocations list --unresolved (--sqlite \S+|--dsn \$QL3_DSN)\n",
+    r"AGE +PROJECT +PROVIDER/MODEL",
+    r"\n\d+s +demo +stub/qwen2\.5:7b +1 .* inv-crashed-\w+\n",
+    r"\$ ql3 resolve inv-crashed-\w+ --decision fail --user carol --reason '[^']+' "
+    r"(--sqlite \S+|--dsn \$QL3_DSN)\n",
+    r"created   inv-crashed-\w+\n",
+    r"1 of 1 resolved as fail by carol \(1 created, 0 existing\)",
+    r"failed v4 attempt 1 result_code=model_outcome_rejected",
     r'"unknown_cost_completions": 2',
     r"demo finished",
 ]

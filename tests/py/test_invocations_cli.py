@@ -30,7 +30,7 @@ from fix_invocations import PAST, PROJECT, PROVIDER, admission, completion, mode
 from fix_servers import role_dsn
 from fix_stores import pin_clock
 from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
-from ql3 import arguments, cli, errors, invocations_cli, recovery
+from ql3 import arguments, cli, errors, invocation_reads, invocations_cli, recovery
 from ql3.invocations import Outcome, PolicyBinding, Usage
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.store import PgStore
@@ -284,7 +284,7 @@ def test_listings_read_an_index_in_order_instead_of_sorting_the_history(
 ) -> None:
     settled(runtime, Outcome.SUCCEEDED)
     settled(runtime, Outcome.LOST)
-    sql = invocations_cli._UNRESOLVED_SQL if unresolved else invocations_cli._RECENT_SQL
+    sql = invocation_reads.UNRESOLVED_SQL if unresolved else invocation_reads.RECENT_SQL
     projects = None if project is None else [project]
     params = {"projects": projects, "limit": 10, "older_than": timedelta(minutes=5)}
     with psycopg.connect(db_dsn, autocommit=True) as conn:

@@ -36,7 +36,7 @@ def test_a_squatted_identity_is_skipped_as_q3c01_and_counted(
             )  # fmt: skip
         loop = RecoveryLoop("unused: run_batch is given its store")
         with caplog.at_level(logging.ERROR, logger="ql3.recovery"):
-            result = loop.run_batch(store)  # type: ignore[arg-type]  # the shim's recover_expired
+            result = loop.run_batch(store)
         assert [r["invocation_id"] for r in result["recovered"]] == [other["invocation_id"]]
         assert [(f["invocation_id"], f["sqlstate"]) for f in result["failed"]] == [
             (squatted["invocation_id"], "Q3C01")

@@ -266,3 +266,24 @@ __all__ = [
     "ready_report",
     "statements",
 ]
+
+
+def file_journal_mode(path: Path) -> str:
+    """The journal mode an existing SQLite file is in (``wal`` persists in the file; any
+    other file reads as ``delete``), read without changing or creating anything. A file
+    that is not an SQLite database is ``Misconfigured``."""
+    uri = f"{path.resolve().as_uri()}?mode=rw"
+    try:
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None)
+    except sqlite3.Error as exc:
+        raise translate(exc) from exc
+    try:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" not in str(exc):
+            raise translate(exc) from exc
+        raise errors.Misconfigured(
+            f"QL3_INVALID_ARGUMENT: {path} is not an SQLite database"
+        ) from None
+    finally:
+        conn.close()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ql3 import arguments, errors
+from ql3 import arguments, errors, invocation_reads
 from ql3.edge import contracts, runs, schema
 from ql3.edge.db import Clock, CrashHook, Database, JournalMode, Row, parse_uuid, plain
 from ql3.migration_files import Applied
@@ -70,6 +70,38 @@ class EdgeStore:
             self._db.close()
             raise
         self._crash_point = _crash_point
+
+    @classmethod
+    def checked(
+        cls, path: str | os.PathLike[str], *, ai: bool = True, busy_timeout_ms: int = 5000
+    ) -> EdgeStore:
+        """A store on a ql3 edge file that already exists and is migrated, in the journal
+        mode the file already has: what the ``ql3`` commands open for ``--sqlite``.
+
+        Unlike the constructor it creates nothing, migrates nothing and changes no
+        setting of the file: a mistyped path, a file some other program uses, or one that
+        its application has not migrated yet is refused as ``Misconfigured``.
+        """
+        where = Path(path)
+        if not where.is_file():
+            raise errors.Misconfigured(
+                f"QL3_INVALID_ARGUMENT: no SQLite file at {where} (ql3 creates edge files "
+                "only when an application opens them with ql3.edge.EdgeStore)"
+            )
+        mode = schema.file_journal_mode(where)
+        if mode != "wal" and mode != "delete":
+            raise errors.Misconfigured(
+                f"QL3_INVALID_ARGUMENT: {where} is in journal_mode {mode}; a ql3 edge file "
+                "is in wal or delete"
+            )
+        try:
+            journal: JournalMode = "wal" if mode == "wal" else "delete"
+            return cls(where, journal, ai=ai, busy_timeout_ms=busy_timeout_ms, migrate=False)
+        except errors.MigrationError as exc:
+            raise errors.Misconfigured(
+                f"QL3_INVALID_ARGUMENT: {exc.message} (the application migrates its edge file "
+                "when it opens it with ql3.edge.EdgeStore)"
+            ) from None
 
     # -- lifecycle and test hooks ---------------------------------------------------------
 
@@ -304,3 +336,59 @@ class EdgeStore:
 
         with self._db.read() as tx:
             return invocations.usage_summary(tx, project_id, since, until)
+
+    # -- operator reads (``ql3 invocations``, ``ql3 resolve``, the recovery gauges) -------
+    # The same rows as PgStore's (ql3.invocation_reads), by the store's clock.
+
+    def list_invocations(
+        self, projects: Sequence[str] | None = None, limit: int = 100
+    ) -> list[Row]:
+        """Invocations with their outcome and resolution, newest first: at most ``limit``,
+        only ``projects`` when given. Timestamps in the record spelling."""
+        self._require_ai("list_invocations")
+        from ql3.edge import invocation_reads as reads
+
+        chosen = invocation_reads.check_projects(projects)
+        limit = invocation_reads.check_limit(limit)
+        with self._db.read() as tx:
+            return reads.list_invocations(tx, chosen, limit)
+
+    def unresolved_invocations(
+        self,
+        projects: Sequence[str] | None = None,
+        older_than: timedelta = timedelta(0),
+        limit: int = 100,
+    ) -> list[Row]:
+        """The resolution queue: lost invocations no human has resolved, lost at least
+        ``older_than`` ago, oldest first, at most ``limit``; ``age_seconds`` runs from the
+        lost completion."""
+        self._require_ai("unresolved_invocations")
+        from ql3.edge import invocation_reads as reads
+
+        chosen = invocation_reads.check_projects(projects)
+        limit = invocation_reads.check_limit(limit)
+        if not isinstance(older_than, timedelta):
+            raise errors.InvalidArgument("QL3_INVALID_ARGUMENT: older_than must be a timedelta")
+        with self._db.read() as tx:
+            return reads.unresolved_invocations(tx, chosen, older_than, limit)
+
+    def invocation(self, invocation_id: str) -> Row | None:
+        """One invocation: ``start``, ``completion`` and ``resolution`` records with their
+        digests, ``resolved_by`` (None: a device has no logins), the ``step`` as it is now
+        and its ``usage`` row; None when it was never admitted."""
+        self._require_ai("invocation")
+        from ql3.edge import invocation_reads as reads
+
+        arguments.check_text_args(invocation_id)
+        with self._db.read() as tx:
+            return reads.invocation(tx, invocation_id)
+
+    def unresolved_by_project(self, limit: int = 100) -> list[Row]:
+        """Lost invocations waiting for a human, by project: ``project``, ``unresolved``
+        and ``oldest_age_seconds``, the projects waiting longest first, at most ``limit``."""
+        self._require_ai("unresolved_by_project")
+        from ql3.edge import invocation_reads as reads
+
+        limit = invocation_reads.check_limit(limit)
+        with self._db.read() as tx:
+            return reads.unresolved_by_project(tx, limit)

@@ -378,6 +378,35 @@ class ModelCall:
     request_id: str | None = None
     model: str | None = None
     options: Mapping[str, Any] | None = None
+    new_run: bool = False
+    """The run and its model step do not exist yet: the admission creates them in its own
+    transaction (``admit_in_new_run``, D59). ``in_new_run`` builds such a call."""
+
+    @classmethod
+    def in_new_run(
+        cls,
+        *,
+        project_id: str,
+        trace_id: str,
+        policy_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        deadline_at: datetime,
+        **rest: Any,
+    ) -> ModelCall:
+        """A call that starts its own run: new ``run_id`` and ``step_run_id`` (the caller
+        reads them off the call), created with the Start receipt in one transaction.
+        Invoking the same call again is an exact replay, as for any ``ModelCall``."""
+        return cls(
+            project_id=project_id,
+            run_id=str(uuid.uuid4()),
+            step_run_id=str(uuid.uuid4()),
+            trace_id=trace_id,
+            policy_id=policy_id,
+            messages=messages,
+            deadline_at=deadline_at,
+            new_run=True,
+            **rest,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -790,6 +819,22 @@ class ModelGateway:
             route=route, body=body, command=command, policy_revision_id=str(policy.revision_id)
         )
 
+    def _admission_of(self, call: ModelCall) -> Callable[[Mapping[str, Any]], Any]:
+        """The store method that admits ``call``: ``admit_in_new_run`` when the call starts
+        its run (one transaction creates the run, the step and the Start receipt, D59),
+        else ``admit_invocation``."""
+        if not call.new_run:
+            return self._store.admit_invocation
+        admit: Callable[[Mapping[str, Any]], Any] | None = getattr(
+            self._store, "admit_in_new_run", None
+        )
+        if admit is None:
+            raise errors.InvalidArgument(
+                "QL3_INVALID_ARGUMENT: this store cannot start a run in the admission "
+                "(no admit_in_new_run); create the run and step first"
+            )
+        return admit
+
     def _policy_routes(self, policy: PolicyRevision) -> tuple[PolicyRoute, ...]:
         """``policy_routes`` of a revision, parsed once per revision (revisions are
         immutable; an invalid body is not kept and raises on every call)."""
@@ -827,7 +872,7 @@ class ModelGateway:
                 raise _late_before_admission(call) from exc
             if loop.time() >= deadline:
                 raise _late_before_admission(call)
-            done = await self._store_call(self._store.admit_invocation, plan.command, guard)
+            done = await self._store_call(self._admission_of(call), plan.command, guard)
             if isinstance(done.error, errors.OutcomeUnknown) and not done.cancelled:
                 done = await self._recheck_admission(call, plan, done, guard)
             if done.error is not None:
@@ -877,7 +922,7 @@ class ModelGateway:
             invocation_id=call.invocation_id,
             error=str(lost.error),
         )
-        again = await self._store_call(self._store.admit_invocation, plan.command, guard)
+        again = await self._store_call(self._admission_of(call), plan.command, guard)
         if again.error is not None or again.value is None:
             return _Finished(None, lost.error, again.cancelled)
         if again.value.get("status") != "existing":

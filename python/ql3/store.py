@@ -339,6 +339,13 @@ class PgStore:
         """Admission: {"status": "created"|"existing", "start", "start_digest"}."""
         return self._command("admit_invocation", command)
 
+    def admit_in_new_run(self, command: Mapping[str, Any]) -> Row:
+        """Admission whose run and model step (the command's ``run_id``, ``step_run_id``,
+        ``project_id``, ``trace_id``) are created in the same transaction, or found the same
+        (D59): one transaction instead of ``create_run``, ``add_step_run`` and
+        ``admit_invocation``. The answer is ``admit_invocation``'s."""
+        return self._command("admit_in_new_run", command)
+
     def complete_invocation(self, command: Mapping[str, Any]) -> Row:
         """Completion: {"status", "completion", "completion_digest"}."""
         return self._command("complete_invocation", command)

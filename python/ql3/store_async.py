@@ -109,6 +109,11 @@ class AsyncPgStore:
         """Admission: {"status": "created"|"existing", "start", "start_digest"}."""
         return await self._command("admit_invocation", command)
 
+    async def admit_in_new_run(self, command: Mapping[str, Any]) -> Row:
+        """``PgStore.admit_in_new_run``: the run, its model step and the admission in one
+        transaction (D59)."""
+        return await self._command("admit_in_new_run", command)
+
     async def complete_invocation(self, command: Mapping[str, Any]) -> Row:
         """Completion: {"status", "completion", "completion_digest"}."""
         return await self._command("complete_invocation", command)

@@ -849,6 +849,44 @@ $$;
 COMMENT ON FUNCTION ql3_ai.admit_invocation(jsonb) IS
 'Admission: fences a ready model step to running and writes the Start receipt; only "created" may lead to provider I/O.';
 
+-- Admission in a new run (D59): the run and its model step named by the command are
+-- created, then admitted, in the caller's one transaction, so a model call that starts a
+-- run costs one transaction and one round trip instead of three. The same ids again are
+-- the same run and step (create_run and add_step_run's replay rules), so a replay after
+-- an unknown outcome is exactly admit_invocation's replay. A command create_run or
+-- add_step_run could not take (not an object; project_id or trace_id not 1..128
+-- characters of text; run_id or step_run_id not a canonical uuid) goes to admit_invocation
+-- unchanged, which refuses it with the admission's own error. Any error writes nothing.
+CREATE FUNCTION ql3_ai.admit_in_new_run(command jsonb) RETURNS jsonb
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+DECLARE
+    uuid_shape CONSTANT text := '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$';
+BEGIN
+    IF coalesce(
+        jsonb_typeof(command) = 'object'
+        AND jsonb_typeof(command -> 'project_id') = 'string'
+        AND jsonb_typeof(command -> 'trace_id') = 'string'
+        AND jsonb_typeof(command -> 'run_id') = 'string'
+        AND jsonb_typeof(command -> 'step_run_id') = 'string'
+        AND char_length(command ->> 'project_id') BETWEEN 1 AND 128
+        AND char_length(command ->> 'trace_id') BETWEEN 1 AND 128
+        AND (command ->> 'run_id') ~ uuid_shape
+        AND (command ->> 'step_run_id') ~ uuid_shape,
+        FALSE
+    ) THEN
+        PERFORM ql3.create_run(command ->> 'project_id', command ->> 'trace_id', (command ->> 'run_id')::uuid);
+        PERFORM ql3.add_step_run((command ->> 'run_id')::uuid, 'model', (command ->> 'step_run_id')::uuid);
+    END IF;
+    RETURN ql3_ai.admit_invocation(command);
+END;
+$$;
+
+COMMENT ON FUNCTION ql3_ai.admit_in_new_run(jsonb) IS
+'Creates the run and model step the admission command names (or finds them, the same), then admits, in one transaction (D59).';
+
 -- The writes of a completion, shared by complete_invocation and recover_expired. The
 -- caller holds the step lock and has checked that the step is running this invocation.
 CREATE FUNCTION ql3_ai._write_completion(
@@ -1562,8 +1600,8 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA ql3_ai FROM PUBLIC;  -- noqa: CP02
 
 GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
 ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger TO ql3_runtime;
-GRANT EXECUTE ON FUNCTION ql3_ai.admit_invocation(jsonb), ql3_ai.complete_invocation(jsonb),
-ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_runtime;
+GRANT EXECUTE ON FUNCTION ql3_ai.admit_invocation(jsonb), ql3_ai.admit_in_new_run(jsonb),
+ql3_ai.complete_invocation(jsonb), ql3_ai.usage_summary(text, timestamptz, timestamptz) TO ql3_runtime;
 
 GRANT SELECT ON ql3_ai.model_invocation_starts, ql3_ai.model_invocation_completions,
 ql3_ai.model_invocation_resolutions, ql3_ai.usage_ledger, ql3_ai.resolver_identities TO ql3_operator;

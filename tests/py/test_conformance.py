@@ -594,7 +594,31 @@ OTHER_CASES: list[Case] = [
      "QL3_INVALID_ARGUMENT"),
 ]  # fmt: skip
 
-ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES
+R9 = "aaaaaaaa-0000-0000-0000-000000000009"
+N9 = "cccccccc-0000-0000-0000-000000000009"
+
+# admit_in_new_run (D59): every refusal writes nothing, not even the run or the step.
+NEW_RUN_CASES: list[Case] = [
+    ("new run: run id taken by another trace", lambda w: w.store.admit_in_new_run(
+        admission("inv-n1", R1, N9, 1, trace_id="other-trace")), "QL3_CONFLICT"),
+    ("new run: step id taken in another run", lambda w: w.store.admit_in_new_run(
+        admission("inv-n2", R9, step(2), 1)), "QL3_CONFLICT"),
+    ("new run: a new step expected at version 2", lambda w: w.store.admit_in_new_run(
+        admission("inv-n3", R9, N9, 2)), "QL3_CONFLICT"),
+    ("new run: a bad deadline", lambda w: w.store.admit_in_new_run(
+        admission("inv-n4", R9, N9, 1, deadline_at="tomorrow")), "QL3_INVALID_ARGUMENT"),
+    ("new run: a stale policy revision", lambda w: w.store.admit_in_new_run(
+        admission("inv-n5", R9, N9, 1, policy=w.policy("router", "a"))), "QL3_STALE_REVISION"),
+    ("new run: no run_id", lambda w: w.store.admit_in_new_run(
+        _without(admission("inv-n6", R9, N9, 1), "run_id")), "QL3_INVALID_ARGUMENT"),
+    ("new run: an uppercase step id", lambda w: w.store.admit_in_new_run(
+        admission("inv-n7", R9, N9.upper(), 1)), "QL3_INVALID_ARGUMENT"),
+    ("new run: a 129-character project", lambda w: w.store.admit_in_new_run(
+        admission("inv-n8", R9, N9, 1, project_id="p" * 129)), "QL3_IDENTIFIER_TOO_LONG"),
+    ("new run: not an object", lambda w: w.store.admit_in_new_run([]), "QL3_INVALID_ARGUMENT"),
+]  # fmt: skip
+
+ALL_CASES = ADMISSION_CASES + COMPLETION_CASES + RESOLUTION_CASES + OTHER_CASES + NEW_RUN_CASES
 
 
 def test_every_refusal_has_the_same_code_and_writes_nothing(store: Store) -> None:
@@ -615,6 +639,33 @@ def test_every_refusal_has_the_same_code_and_writes_nothing(store: Store) -> Non
         elif footprint(store) != before:
             wrong.append(f"{name}: refused with {code} but wrote something")
     assert not wrong, "\n".join(wrong)
+
+
+def test_an_admission_in_a_new_run_is_the_run_the_step_and_the_admission(store: Store) -> None:
+    world = build_world(store)
+    command = admission("inv-n", R9, N9, 1, trace_id="trace-9", policy=world.policy("router", "b"))
+    created = store.admit_in_new_run(command)
+    assert created["status"] == "created"
+    run = store.run(R9)
+    assert (run["project_id"], run["trace_id"], run["version"], run["event_seq"]) == (
+        "proj", "trace-9", 2, 1)  # fmt: skip
+    state = store.step_run(N9)
+    assert (state["run_id"], state["kind"], state["status"], state["version"]) == (
+        R9, "model", "running", 2)  # fmt: skip
+    assert (state["attempt_count"], state["current_invocation_id"]) == (1, "inv-n")
+    before = footprint(store)
+    again = store.admit_in_new_run(command)
+    assert again["status"] == "existing" and again["start"] == created["start"]
+    assert store.admit_invocation(command)["status"] == "existing"
+    assert footprint(store) == before, "a replay writes nothing"
+    # The error of a command the run and step cannot take is admit_invocation's, word for word.
+    for bad in ([], _without(command, "run_id"), _with(command, project_id="p" * 129)):
+        errors_seen = []
+        for admit in (store.admit_in_new_run, store.admit_invocation):
+            with pytest.raises(errors.Ql3Error) as caught:
+                admit(bad)
+            errors_seen.append((caught.value.code, str(caught.value)))
+        assert errors_seen[0] == errors_seen[1]
 
 
 def test_stale_revision_detail_names_the_active_revision(store: Store) -> None:

@@ -337,6 +337,80 @@ def test_success_writes_succeeded_with_usage_and_only_digests_of_the_bodies(worl
     assert "Bluebird" not in stored and "quick brown fox" not in stored
 
 
+class CountingStore:
+    """The world's store, counting which admission method the gateway calls."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        if name.startswith("admit"):
+            self.calls.append(name)
+        return method
+
+
+def test_a_call_in_a_new_run_creates_run_step_and_start_in_one_admission(world: World) -> None:
+    call = ModelCall.in_new_run(
+        project_id=PROJECT, trace_id="trace-new", policy_id=POLICY, messages=MESSAGES,
+        deadline_at=deadline_in(30.0),
+    )  # fmt: skip
+    assert call.new_run and call.run_id != world.run_id
+
+    counted = CountingStore(make_store(world, world.runtime_dsn))
+
+    async def scenario() -> None:
+        try:
+            async with harness(world, store=counted) as h:  # type: ignore[arg-type]
+                counted.calls.clear()  # ModelGateway() looked at admit_invocation's kind
+                result = await h.gateway.invoke(call)
+                assert result.text == REPLY
+                with pytest.raises(ModelInvocationReplayBlocked):
+                    await h.gateway.invoke(call)  # the same call again is a replay
+        finally:
+            await close_store(counted.inner)
+
+    run(scenario())
+    assert counted.calls == ["admit_in_new_run", "admit_in_new_run"]
+    assert world.provider.calls == 1
+    [run_row] = world.query(
+        "SELECT project_id, trace_id, version FROM ql3.runs WHERE run_id = %s", call.run_id
+    )
+    assert (run_row["project_id"], run_row["trace_id"]) == (PROJECT, "trace-new")
+    step = world.step(call.step_run_id)
+    assert (step["run_id"], step["kind"], step["status"]) == (call.run_id, "model", "succeeded")
+    completion = world.completion(call.invocation_id)
+    assert completion is not None and completion["outcome"] == "succeeded"
+    assert world.unsettled_starts() == 0
+
+
+def test_a_new_run_refused_by_its_policy_fence_leaves_no_run(world: World) -> None:
+    """The admission in a new run fences the policy in its one transaction: a stale
+    revision refuses it and the run and step it would have created are not there."""
+    call = ModelCall.in_new_run(
+        project_id=PROJECT, trace_id="trace-stale", policy_id=POLICY, messages=MESSAGES,
+        deadline_at=deadline_in(30.0),
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        async with harness(world) as h:
+            await h.cache.get_effective(PROJECT, "policy_routing", POLICY)  # cached
+            world.activate(
+                PROJECT, "policy_routing", POLICY, {"routes": [{"model": MODEL}], "v": 2}
+            )
+            result = await h.gateway.invoke(call)  # stale once, then the new revision
+            assert result.policy_revision_id != world.policy_revision_id
+
+    run(scenario())
+    starts = world.query(
+        "SELECT policy_revision_id::text AS r FROM ql3_ai.model_invocation_starts"
+        " WHERE invocation_id = %s", call.invocation_id,
+    )  # fmt: skip
+    assert len(starts) == 1 and starts[0]["r"] != world.policy_revision_id
+    assert len(world.query("SELECT 1 FROM ql3.runs WHERE run_id = %s", call.run_id)) == 1
+
+
 def test_stream_yields_pieces_and_settles_succeeded(world: World) -> None:
     pieces = ["Once ", "upon ", "a ", "time."]
     world.provider.script = stream(pieces)

@@ -9,7 +9,7 @@ SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refus
 \ir lib/invocation_helpers.sql
 \ir lib/privilege_helpers.sql
 
-SELECT plan(580);
+SELECT plan(585);
 
 -- Schema and catalogue -----------------------------------------------------------------------
 
@@ -31,8 +31,8 @@ SELECT tables_are(
 );
 SELECT functions_are(
     'ql3_ai',
-    ARRAY['admit_invocation', 'complete_invocation', 'resolve_invocation', 'recover_expired', 'usage_summary',
-          '_check_shape', '_checked_digest', '_uuid', '_check_sha256', '_timestamp', '_utc', '_identities',
+    ARRAY['admit_invocation', 'admit_in_new_run', 'complete_invocation', 'resolve_invocation', 'recover_expired',
+          'usage_summary', '_check_shape', '_checked_digest', '_uuid', '_check_sha256', '_timestamp', '_utc', '_identities',
           '_verify_receipt', '_identity_taken', '_write_completion', '_require_resolution'],
     'ql3_ai holds exactly these functions (each is covered by the privilege matrix below)'
 );
@@ -49,14 +49,15 @@ SELECT set_eq(
                                                                    'ql3.add_step_run(uuid, text, uuid)'::regprocedure))
         AND p.prosecdef$$,
     ARRAY['ql3.create_run(text,text,uuid)', 'ql3.add_step_run(uuid,text,uuid)', 'ql3_ai.admit_invocation(jsonb)',
-          'ql3_ai.complete_invocation(jsonb)', 'ql3_ai.resolve_invocation(jsonb)',
+          'ql3_ai.admit_in_new_run(jsonb)', 'ql3_ai.complete_invocation(jsonb)', 'ql3_ai.resolve_invocation(jsonb)',
           'ql3_ai.recover_expired(integer,interval)'],
     'exactly the new functions that write are SECURITY DEFINER: they run as ql3_owner, the only writer (D46)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p
       WHERE p.oid IN ('ql3.create_run(text, text, uuid)'::regprocedure, 'ql3.add_step_run(uuid, text, uuid)'::regprocedure,
-                      'ql3_ai.admit_invocation(jsonb)'::regprocedure, 'ql3_ai.complete_invocation(jsonb)'::regprocedure,
+                      'ql3_ai.admit_invocation(jsonb)'::regprocedure, 'ql3_ai.admit_in_new_run(jsonb)'::regprocedure,
+                      'ql3_ai.complete_invocation(jsonb)'::regprocedure,
                       'ql3_ai.resolve_invocation(jsonb)'::regprocedure,
                       'ql3_ai.recover_expired(integer, interval)'::regprocedure)
         AND NOT coalesce(p.proconfig @> ARRAY['search_path=pg_catalog, ql3, pg_temp'], FALSE)$$,
@@ -190,7 +191,8 @@ FROM (VALUES
     (17, 'ql3_ai', '_write_completion', '{ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean}', '{}'),
     (18, 'ql3_ai', '_require_resolution', '{}', '{}'),
     (19, 'ql3', '_refuse_step_transition', '{}', '{}'),
-    (20, 'ql3_ai', '_identity_taken', '{text,text,text}', '{}')
+    (20, 'ql3_ai', '_identity_taken', '{text,text,text}', '{}'),
+    (21, 'ql3_ai', 'admit_in_new_run', '{jsonb}', '{ql3_runtime}')
 ) AS f (ord, schema_name, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')

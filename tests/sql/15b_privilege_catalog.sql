@@ -200,6 +200,7 @@ VALUES
     ('ql3._refuse_step_transition()', '{}', FALSE),
     ('ql3._now()', '{}', FALSE),
     ('ql3_ai.admit_invocation(jsonb)', '{ql3_runtime}', TRUE),
+    ('ql3_ai.admit_in_new_run(jsonb)', '{ql3_runtime}', TRUE),
     ('ql3_ai.complete_invocation(jsonb)', '{ql3_runtime}', TRUE),
     ('ql3_ai.resolve_invocation(jsonb)', '{ql3_operator}', TRUE),
     ('ql3_ai.recover_expired(integer,interval)', '{ql3_operator}', TRUE),

@@ -10,12 +10,15 @@ the comments name the SQL they mirror where the translation is not obvious. The 
 
 from __future__ import annotations
 
+import re
 import sqlite3
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Final
 
 from ql3 import canonical, errors
 from ql3.arguments import check_text_args
+from ql3.edge import runs
 from ql3.edge.checks import (
     check_currency,
     check_identifier,
@@ -136,6 +139,41 @@ def _append_history(
 
 
 # -- admission ------------------------------------------------------------------------
+
+
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _names_a_run(command: Any) -> bool:
+    """Whether ``create_run`` and ``add_step_run`` can take the run and step the command
+    names: ``ql3_ai.admit_in_new_run``'s test, to the letter (D59)."""
+    if not isinstance(command, Mapping):
+        return False
+    project, trace = command.get("project_id"), command.get("trace_id")
+    run_id, step_run_id = command.get("run_id"), command.get("step_run_id")
+    if not (
+        isinstance(project, str)
+        and isinstance(trace, str)
+        and isinstance(run_id, str)
+        and isinstance(step_run_id, str)
+    ):
+        return False
+    return (
+        all(1 <= len(text) <= canonical.MAX_IDENTIFIER_CHARS for text in (project, trace))
+        and "\x00" not in project + trace
+        and _CANONICAL_UUID.fullmatch(run_id) is not None
+        and _CANONICAL_UUID.fullmatch(step_run_id) is not None
+    )
+
+
+def admit_in_new_run(tx: Tx, command: Any) -> Row:
+    """``ql3_ai.admit_in_new_run``: create the run and the model step the command names
+    (or find them, the same), then admit, in the caller's one transaction. A command whose
+    run and step cannot be taken goes to ``admit_invocation`` as it is, for its own error."""
+    if _names_a_run(command):
+        runs.create_run(tx, command["project_id"], command["trace_id"], command["run_id"])
+        runs.add_step_run(tx, command["run_id"], "model", command["step_run_id"])
+    return admit_invocation(tx, command)
 
 
 def admit_invocation(tx: Tx, command: Any) -> Row:

@@ -302,6 +302,15 @@ class EdgeStore:
         with self._db.write("admission") as tx:
             return invocations.admit_invocation(tx, command)
 
+    def admit_in_new_run(self, command: Mapping[str, Any]) -> Row:
+        """``ql3_ai.admit_in_new_run``: the run, its model step and the admission in one
+        transaction (D59)."""
+        self._require_ai("admit_in_new_run")
+        from ql3.edge import invocations
+
+        with self._db.write("admission") as tx:
+            return invocations.admit_in_new_run(tx, command)
+
     def complete_invocation(self, command: Mapping[str, Any]) -> Row:
         """Completion: {"status", "completion", "completion_digest"}."""
         self._require_ai("complete_invocation")

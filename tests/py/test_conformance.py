@@ -659,7 +659,8 @@ def test_an_admission_in_a_new_run_is_the_run_the_step_and_the_admission(store: 
     assert store.admit_invocation(command)["status"] == "existing"
     assert footprint(store) == before, "a replay writes nothing"
     # The error of a command the run and step cannot take is admit_invocation's, word for word.
-    for bad in ([], _without(command, "run_id"), _with(command, project_id="p" * 129)):
+    refused: list[Any] = [[], _without(command, "run_id"), _with(command, project_id="p" * 129)]
+    for bad in refused:
         errors_seen = []
         for admit in (store.admit_in_new_run, store.admit_invocation):
             with pytest.raises(errors.Ql3Error) as caught:

@@ -23,6 +23,7 @@ from typing import Any
 from bench import (
     activations,
     cache_reads,
+    durable_call,  # issue 23: durable model calls as a Python application makes them, vs DBOS
     edge_pairs,
     gateway_overhead,
     pairs,
@@ -40,6 +41,7 @@ BENCHMARKS: Mapping[str, Callable[[Settings], Result]] = {
     "propagation": propagation.run,
     "cache_reads": cache_reads.run,
     "pairs": pairs.run,
+    "durable_call": durable_call.run,
     "edge_pairs": edge_pairs.run,
     "gateway_overhead": gateway_overhead.run,
     "prepared": prepared.run,

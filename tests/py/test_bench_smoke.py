@@ -112,6 +112,75 @@ def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
             assert len(by_round) == 1 and positive(by_round[0])
 
 
+def test_quick_durable_call_run_reports_calls_per_s_and_dbos_measured_or_why_not(
+    base_dsn: str, redis_url: str, tmp_path: Path
+) -> None:
+    calls = quick_bench(base_dsn, redis_url, tmp_path, "durable_call")["benchmarks"]
+    durable = calls["durable_call"]
+    # This ql3 starts a run in its admission (ModelCall.in_new_run, D59): that path is the
+    # judged one, and create_run + add_step_run + invoke a diagnostic row beside it.
+    assert durable["figures"]["judged_side"] == "new_run"
+    sides = ("new_run", "four_transactions", "precreated")
+    for clients in (1, 8):
+        key = f"{clients}_callers"
+        for side in sides:
+            assert positive(durable["figures"][f"{side}_calls_per_s_{key}"])
+            assert durable["checks"][f"{side}_calls_{key}"] > 0
+        # CPU per call of this process (and of PostgreSQL, where /proc shows it).
+        assert positive(durable["figures"][f"new_run_client_cpu_us_per_call_{key}"])
+    # Every call made (warm-ups included) left its Start and its succeeded Completion.
+    assert durable["checks"]["starts"] == durable["checks"]["ql3_calls"]
+    assert durable["checks"]["succeeded_completions"] == durable["checks"]["ql3_calls"]
+    rows = durable["rows"]
+    assert len(rows) == 2 * (len(sides) + 1)  # and one CPU row per caller count
+    judged = [row for row in rows if row["target"] != "(diagnostic)"]
+    assert [row["label"] for row in judged] == [
+        f"durable model call/s, {c}, gateway on AsyncPgStore, new run each call"
+        for c in ("1 caller", "8 callers")
+    ]
+    if importlib.util.find_spec("dbos") is None:
+        for row in rows:
+            if row["label"].startswith("CPU per durable call"):
+                continue
+            assert row["baseline"].startswith("DBOS not measured: ")
+            assert row["ratio"] is None and row["result"] == "n/a"
+        assert durable["pass"] is None
+    else:
+        for clients in (1, 8):
+            key = f"{clients}_callers"
+            assert positive(durable["baseline"][f"dbos_workflows_per_s_{key}"])
+            assert durable["checks"][f"dbos_workflows_{key}"] > 0
+            for side in sides:
+                by_round = durable["figures"][f"{side}_over_dbos_by_round_{key}"]
+                assert len(by_round) == 1 and positive(by_round[0])  # --quick: one round
+                assert durable["ratio"][f"{side}_over_dbos_{key}"] == by_round[0]
+        assert all(row["result"] in ("pass", "fail") for row in judged)
+        assert isinstance(durable["pass"], bool)
+
+
+def test_a_durable_call_dbos_run_that_fails_marks_the_side_not_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench import dbos_pairs, durable_call
+
+    calls: list[int] = []
+
+    def measure(base_dsn: str, callers: int, seconds: float) -> dict[str, Any]:
+        calls.append(callers)
+        if len(calls) == 2:
+            raise dbos_pairs.NotMeasured("the DBOS child crashed")
+        return {"per_s": 20.0, "workflows": 40}
+
+    monkeypatch.setattr(dbos_pairs, "available", lambda: None)
+    monkeypatch.setattr(durable_call, "dbos_measure", measure)
+    dbos = durable_call.DbosSide("postgresql://unused")
+    first, second, third = (dbos.run(8, 2.0) for _ in range(3))
+    assert first == durable_call.Sample(20.0, 40) and second is None and third is None
+    assert calls == [8, 8]  # no run after the failure
+    assert dbos.reason == "the DBOS child crashed"
+
+
 def test_quick_run_of_the_other_benchmarks_reports_their_figures_and_checks(
     base_dsn: str, redis_url: str, tmp_path: Path
 ) -> None:

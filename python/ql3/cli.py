@@ -1,36 +1,64 @@
 """The ``ql3`` command line. Each command module adds its subcommands with ``register``;
-every command reads QL3_DSN (and QL3_REDIS_URL) when no flag is given."""
+every command reads QL3_DSN (and QL3_REDIS_URL) when no flag is given.
+
+Nothing here imports a driver: ``pip install ql3`` alone runs the commands that take
+``--sqlite PATH`` on an edge file (D58). A command's module is imported only when it is
+the command given (all of them for ``ql3 --help``), and the PostgreSQL modules
+(``ql3.db``, ``ql3.store``) only on a PostgreSQL path; without their driver, that path
+is ``Misconfigured`` naming the extra to install (exit 2), and a command whose module
+needs a missing extra is left out of the parser, its ``invalid choice`` naming the extra.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ql3 import canonical, errors
-from ql3.db import dsn_from_env
 from ql3.safe_text import command_secrets, error_text, json_text
-from ql3.store import PgStore
 
 if TYPE_CHECKING:
     from ql3.edge import EdgeStore
+    from ql3.store import PgStore
 
     Store = PgStore | EdgeStore
     """What ``open_any_store`` gives: PostgreSQL's, or an edge file's with ``--sqlite``."""
 
-# Modules that contribute subcommands; a module missing from this install is skipped.
-COMMAND_MODULES = (
-    "ql3.migrate",
-    "ql3.relay",
-    "ql3.invocations_cli",
-    "ql3.recovery",
-    "ql3.verify",
-    "ql3.prune",
-)
+
+@dataclass(frozen=True)
+class CommandModule:
+    """A module that contributes subcommands: the commands its ``register`` adds, in
+    order, the driver modules it imports, and the extra that brings them."""
+
+    commands: tuple[str, ...]
+    drivers: tuple[str, ...] = ()
+    extra: str = "postgres"
+
+
+POSTGRES_DRIVERS = ("psycopg", "psycopg_pool")
+
+COMMANDS: dict[str, CommandModule] = {
+    "ql3.migrate": CommandModule(("migrate", "ready"), POSTGRES_DRIVERS),
+    "ql3.relay": CommandModule(
+        ("relay",), (*POSTGRES_DRIVERS, "redis", "prometheus_client"), "relay"
+    ),
+    # These import no driver: --sqlite runs on a bare install; --dsn imports it (D58).
+    "ql3.invocations_cli": CommandModule(("invocations", "resolve", "usage")),
+    "ql3.recovery": CommandModule(("recover",)),
+    "ql3.verify": CommandModule(("verify",), POSTGRES_DRIVERS),
+    "ql3.prune": CommandModule(("prune",)),
+}
+"""Modules that contribute subcommands; one whose extra this install lacks is left out."""
+
+COMMAND_MODULES = tuple(COMMANDS)
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -74,10 +102,48 @@ def _read_body(args: argparse.Namespace) -> Any:
     return canonical.parse_json(text)
 
 
-def open_store(args: argparse.Namespace) -> PgStore:
+@contextlib.contextmanager
+def needs_postgres(what: str, *, sqlite: bool = False) -> Iterator[None]:
+    """Around the import of a PostgreSQL module (``ql3.db``, ``ql3.store``): a driver
+    missing from this install is ``Misconfigured`` (exit 2) naming the extra to install,
+    not an ImportError traceback. ``sqlite``: the command also runs with ``--sqlite``."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        driver = (exc.name or "").split(".")[0]
+        if driver not in POSTGRES_DRIVERS:
+            raise
+        instead = (
+            "--sqlite PATH runs it on an edge device's file without it"
+            if sqlite
+            else "pip install ql3 alone is the SQLite edge shim"
+        )
+        raise errors.Misconfigured(
+            f"QL3_INVALID_ARGUMENT: {what} needs {driver}, which this install lacks: "
+            f"pip install 'ql3[postgres]' ({instead})"
+        ) from None
+
+
+def _on_postgresql(args: argparse.Namespace) -> str:
+    command = getattr(args, "command", None)
+    return f"ql3 {command} on PostgreSQL" if command else "PostgreSQL"
+
+
+def dsn_from_env(dsn: str | None, what: str = "PostgreSQL", *, sqlite: bool = False) -> str:
+    """``ql3.db.dsn_from_env``, its module imported on first use (``needs_postgres``)."""
+    with needs_postgres(what, sqlite=sqlite):
+        from ql3 import db
+    return db.dsn_from_env(dsn)
+
+
+def open_store(args: argparse.Namespace, *, sqlite: bool = False) -> PgStore:
     """The one-connection store of a one-shot command; a database that cannot be reached
     says why at once (``PgStore.checked``)."""
-    return PgStore.checked(dsn_from_env(args.dsn), max_connections=1)
+    what = _on_postgresql(args)
+    dsn = dsn_from_env(args.dsn, what, sqlite=sqlite)
+    with needs_postgres(what, sqlite=sqlite):
+        from ql3.store import PgStore
+    return PgStore.checked(dsn, max_connections=1)
 
 
 def open_any_store(args: argparse.Namespace) -> Store:
@@ -87,7 +153,7 @@ def open_any_store(args: argparse.Namespace) -> Store:
         from ql3.edge import EdgeStore
 
         return EdgeStore.checked(args.sqlite)
-    return open_store(args)
+    return open_store(args, sqlite=True)
 
 
 def _revision_put(args: argparse.Namespace) -> int:
@@ -187,27 +253,87 @@ def register_revision(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
             verb.add_argument("--actor", help="who acts (default: $QL3_ACTOR or $USER)")
 
 
-EXTRA_MODULES = frozenset({"redis", "prometheus_client", "httpx"})
-"""Libraries of the extras beyond ``postgres``: a command that needs one is left out."""
+EXTRA_MODULES = frozenset({*POSTGRES_DRIVERS, "redis", "prometheus_client", "httpx"})
+"""Libraries of the extras: a command module that needs a missing one is left out."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = ArgumentParser(
+class _CommandParser(ArgumentParser):
+    """The top-level parser: an ``invalid choice`` of a command left out for a missing
+    extra says which extra brings it."""
+
+    left_out: dict[str, str]
+
+    def error(self, message: str) -> NoReturn:
+        for command, hint in getattr(self, "left_out", {}).items():
+            if f"invalid choice: {command!r}" in message:
+                message = f"{message}; {hint}"
+                break
+        super().error(message)
+
+
+def _left_out_hint(command: str, driver: str, extra: str) -> str:
+    return (
+        f"ql3 {command} needs {driver}, which this install lacks: pip install 'ql3[{extra}]' "
+        "(pip install ql3 alone runs recover, invocations, resolve and usage with --sqlite)"
+    )
+
+
+def _missing_driver(spec: CommandModule) -> str | None:
+    """The first driver of ``spec`` this install lacks, found without importing it."""
+    for driver in spec.drivers:
+        try:
+            if importlib.util.find_spec(driver) is None:
+                return driver
+        except ValueError:  # in sys.modules without a spec
+            continue
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``ql3``. With ``command``, only the module that adds it is imported
+    (the others are registered as bare subparsers of the same names, so that usage and
+    errors read the same); without, every module is."""
+    parser = _CommandParser(
         prog="ql3", description="Durable contract revisions and model invocations on PostgreSQL."
     )
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser.left_out = {}
+    top: argparse.ArgumentParser = parser
+    subparsers = top.add_subparsers(dest="command", required=True)
     register_revision(subparsers)
-    for name in COMMAND_MODULES:
+    for name, spec in COMMANDS.items():
+        if command is not None and command not in spec.commands:
+            if (driver := _missing_driver(spec)) is None:
+                for other in spec.commands:
+                    subparsers.add_parser(other)
+            else:
+                for other in spec.commands:
+                    parser.left_out[other] = _left_out_hint(other, driver, spec.extra)
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            # The module itself, or a library of an extra it needs (the relay and recover
-            # commands need ql3[relay]; ql3[postgres] serves the others).
-            if exc.name != name and (exc.name or "").split(".")[0] not in EXTRA_MODULES:
+            # The module itself, or a library of an extra it needs.
+            driver = (exc.name or "").split(".")[0]
+            if exc.name != name and driver not in EXTRA_MODULES:
                 raise
+            for other in spec.commands:
+                parser.left_out[other] = _left_out_hint(other, driver, spec.extra)
             continue
         module.register(subparsers)
+    if parser.left_out:
+        extras = {name: spec.extra for spec in COMMANDS.values() for name in spec.commands}
+        parser.epilog = "not in this install: " + ", ".join(
+            f"{name} (pip install 'ql3[{extras[name]}]')" for name in parser.left_out
+        )
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names, when it names one first (``ql3`` takes no option but
+    ``--help`` before it); None otherwise, and every module is loaded."""
+    if argv and (argv[0] == "revision" or any(argv[0] in s.commands for s in COMMANDS.values())):
+        return argv[0]
+    return None
 
 
 LIST_OPTIONS = frozenset({"target"})
@@ -215,7 +341,8 @@ LIST_OPTIONS = frozenset({"target"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     for name, value in vars(args).items():
         # argparse (3.11) gives an option written ``--name=--`` an empty list as its value

@@ -1,6 +1,8 @@
-"""The ``ql3`` command's entry point. ``pip install ql3`` alone is the SQLite edge shim;
-every command of ``ql3`` talks to PostgreSQL, so without the driver it says which extra
-to install instead of ending in an ImportError traceback."""
+"""The ``ql3`` command's entry point. ``pip install ql3`` alone is the SQLite edge shim,
+whose operations commands run with ``--sqlite`` (D58); ``ql3.cli`` imports no driver, and
+each PostgreSQL path names the extra it lacks. The fallback below stays as a safety net:
+should ``ql3.cli`` ever fail to import for want of a server-side package, the command says
+which extra to install instead of ending in an ImportError traceback."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The /metrics and /healthz server of ql3's daemons (``ql3 relay``, ``ql3 recover --loop``).
 
-- ``GET /metrics``: the Prometheus text of the daemon's registry.
+- ``GET /metrics``: the Prometheus text of the daemon's registry; 501 when it has none
+  (``ql3 recover --loop`` on an install without prometheus-client, D58).
 - ``GET /healthz`` (or ``/health``): the daemon's health report as JSON; 200 when its
   ``status`` is ``"ok"``, else 503.
 - Anything else: 404.
@@ -20,20 +21,27 @@ import socketserver
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
-
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from typing import TYPE_CHECKING, Any
 
 from ql3 import errors
 
+if TYPE_CHECKING:  # imported with a registry only: /healthz needs no prometheus-client
+    from prometheus_client import CollectorRegistry
+
 HealthReport = Callable[[], Mapping[str, Any]]
 MAX_PORT = 65535
+
+NO_METRICS = (
+    b"no /metrics: prometheus-client is not installed (pip install prometheus-client, "
+    b"or 'ql3[relay]'); /healthz is served\n"
+)
+"""The 501 body of /metrics on a server without a registry."""
 
 
 def serve_status(
     host: str,
     port: int | None,
-    registry: CollectorRegistry,
+    registry: CollectorRegistry | None,
     health: HealthReport,
     *,
     name: str,
@@ -64,13 +72,14 @@ def serve_status(
 
 
 class StatusServer:
-    """Serves /metrics and /healthz on ``host:port`` (0 = any free port) until ``close``."""
+    """Serves /metrics and /healthz on ``host:port`` (0 = any free port) until ``close``;
+    without a ``registry``, /metrics answers 501 (prometheus-client is not installed)."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        registry: CollectorRegistry,
+        registry: CollectorRegistry | None,
         health: HealthReport,
         *,
         name: str = "ql3-http",
@@ -108,7 +117,21 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
         self.server_name, self.server_port = str(host), int(port)
 
 
-def _handler(registry: CollectorRegistry, health: HealthReport) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    registry: CollectorRegistry | None, health: HealthReport
+) -> type[BaseHTTPRequestHandler]:
+    metrics: Callable[[], tuple[int, str, bytes]]
+    if registry is None:
+
+        def metrics() -> tuple[int, str, bytes]:
+            return 501, "text/plain; charset=utf-8", NO_METRICS
+
+    else:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        def metrics() -> tuple[int, str, bytes]:
+            return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         timeout = 5  # seconds a client may take to send its request
@@ -116,7 +139,7 @@ def _handler(registry: CollectorRegistry, health: HealthReport) -> type[BaseHTTP
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                self._reply(*metrics())
             elif path in ("/healthz", "/health"):
                 report = health()
                 status = 200 if report["status"] == "ok" else 503

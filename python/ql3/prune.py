@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ql3 import arguments, errors, pooler
-from ql3.cli import print_json
-from ql3.db import Timeouts, dsn_from_env
-from ql3.store import PgStore
+from ql3 import arguments, errors
+from ql3.cli import dsn_from_env, needs_postgres, print_json
+
+if TYPE_CHECKING:  # imported on use: ``ql3.recovery`` imports this module on a bare install
+    from ql3.store import PgStore
 
 #: The SQL function's bounds of one batch.
 MAX_BATCH = 100_000
@@ -37,6 +38,8 @@ def prune_batch(store: PgStore, delivered_before: timedelta, batch: int) -> int:
         raise errors.InvalidArgument(
             "QL3_INVALID_ARGUMENT: delivered_before must be a non-negative interval"
         )
+    from ql3 import pooler  # a PgStore is open: its driver is installed
+
     with store.connection() as conn, conn.cursor() as cur:
         pooler.execute(conn, cur, "SELECT ql3.prune_outbox(%s, %s)", (delivered_before, batch))
         found = cur.fetchone()
@@ -64,7 +67,7 @@ def prune(
 
 def command(args: argparse.Namespace) -> int:
     """``ql3 prune``: prune the outbox, print ``{"removed": n}``."""
-    dsn = dsn_from_env(args.dsn)
+    dsn = dsn_from_env(args.dsn, "ql3 prune")
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     if not 1 <= batch <= MAX_BATCH:
         raise errors.Misconfigured(f"QL3_INVALID_ARGUMENT: --batch must be 1..{MAX_BATCH}")
@@ -72,6 +75,9 @@ def command(args: argparse.Namespace) -> int:
         arguments.check_seconds("statement_timeout", args.statement_timeout, most=86400.0)
     except errors.InvalidArgument as exc:
         raise errors.Misconfigured(exc.message) from None
+    with needs_postgres("ql3 prune"):
+        from ql3.db import Timeouts
+        from ql3.store import PgStore
     timeouts = Timeouts(statement_ms=max(1, round(args.statement_timeout * 1000)))
     with PgStore.checked(dsn, max_connections=1, timeouts=timeouts) as store:
         removed = prune(store, args.delivered_before, batch)

@@ -20,6 +20,10 @@ re-invokes a model; every recovered invocation waits for a human resolution
   ``prune_interval`` (``ql3.prune`` and D55); a failed round is logged, counted, and
   leaves recovery alone.
 
+On an install without prometheus-client (``pip install ql3``, ``--sqlite``) the loop runs
+all the same: ``/healthz`` is served and ``/metrics`` answers 501, said once in the log
+(D58). Nothing here imports a driver until a PostgreSQL store is opened.
+
 Several recovery daemons may run at once: the SQL skips step rows another transaction
 holds (``FOR UPDATE ... SKIP LOCKED``), so two batches never settle the same invocation.
 ``RecoveryLoop`` is the daemon, usable in-process (``start`` / ``stop``).
@@ -37,13 +41,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import FrameType
-from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ql3 import arguments, errors
-from ql3.cli import SQLITE_HELP, print_json
-from ql3.db import Timeouts, dsn_from_env
+from ql3.cli import SQLITE_HELP, dsn_from_env, needs_postgres, print_json
 from ql3.edge import EdgeStore
 from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
@@ -51,7 +52,14 @@ from ql3.logs import backoff_delay, configure_logging, describe_error
 from ql3.prune import DEFAULT_BATCH as DEFAULT_PRUNE_BATCH
 from ql3.prune import MAX_BATCH as MAX_PRUNE_BATCH
 from ql3.prune import prune
-from ql3.store import PgStore, Row
+
+if TYPE_CHECKING:  # imported on use: --sqlite runs on a bare install (D58)
+    from prometheus_client import CollectorRegistry
+
+    from ql3.store import PgStore, Row
+
+    Store = PgStore | EdgeStore
+    """What the loop runs on: PostgreSQL, or an edge device's SQLite file (``--sqlite``)."""
 
 MAX_LIMIT = MAX_RECOVERY_LIMIT
 DEFAULT_LIMIT = 100
@@ -140,19 +148,82 @@ class RecoveryConfig:
 # read with one bounded query per round (``unresolved_by_project``).
 UNRESOLVED_PROJECTS_LIMIT = 100
 
-Store = PgStore | EdgeStore
-"""What the loop runs on: PostgreSQL, or an edge device's SQLite file (``--sqlite``)."""
-
 EDGE_RETENTION_REFUSED = (
     "QL3_INVALID_ARGUMENT: --outbox-retention (QL3_OUTBOX_RETENTION) prunes PostgreSQL's "
     "outbox; an edge file's outbox is not pruned by ql3 recover (D58)"
 )
 
 
-class RecoveryMetrics:
-    """The Prometheus series of one recovery loop (own registry, so tests can run several)."""
+NO_PROMETHEUS = (
+    "prometheus-client is not installed: /metrics answers 501, /healthz is served "
+    "(pip install prometheus-client, or 'ql3[relay]')"
+)
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+def new_registry() -> CollectorRegistry | None:
+    """A ``CollectorRegistry`` of its own, or None without prometheus-client."""
+    try:
+        from prometheus_client import CollectorRegistry
+    except ModuleNotFoundError as exc:
+        if exc.name != "prometheus_client":
+            raise
+        return None
+    return CollectorRegistry()
+
+
+class _Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class _Gauge(Protocol):
+    def set(self, value: float) -> None: ...
+
+
+class _ProjectGauge(Protocol):
+    def labels(self, *, project: str) -> _Gauge: ...
+
+    def remove(self, *labelvalues: Any) -> None: ...
+
+
+class _Unexported:
+    """A series of a loop without a registry (no prometheus-client): counts nothing."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def labels(self, *, project: str) -> _Unexported:
+        return self
+
+    def remove(self, *labelvalues: Any) -> None:
+        pass
+
+
+class RecoveryMetrics:
+    """The Prometheus series of one recovery loop (own registry, so tests can run several);
+    with no registry (no prometheus-client), series that count nothing."""
+
+    recovered: _Counter
+    errors: _Counter
+    skipped: _Counter
+    batches: _Counter
+    last_run: _Gauge
+    up: _Gauge
+    lost_unresolved: _ProjectGauge
+    lost_unresolved_oldest_age: _ProjectGauge
+    unresolved_errors: _Counter
+    outbox_pruned: _Counter
+    outbox_prune_errors: _Counter
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        if registry is None:
+            for name in RecoveryMetrics.__annotations__:
+                setattr(self, name, _Unexported())
+            return
+        from prometheus_client import Counter, Gauge
+
         self.recovered = Counter(
             "ql3_recovery_recovered",
             "Invocations settled as lost/outcome_unknown by recovery.",
@@ -213,7 +284,9 @@ class RecoveryLoop:
     ``PgStore``, closed when ``run`` returns). Every call goes through the store
     interface; only the outbox prune is PostgreSQL's (D58). In-process use: ``start()``
     runs it in a thread, ``stop()`` ends it; ``wait_until`` waits for a condition on its
-    counters without sleeping blindly.
+    counters without sleeping blindly. Its series go to ``registry`` (a new one by
+    default); without prometheus-client there is none, and the loop runs all the same
+    (``/metrics`` answers 501; D58).
     """
 
     def __init__(
@@ -227,8 +300,8 @@ class RecoveryLoop:
         if isinstance(store, EdgeStore) and self.config.outbox_retention is not None:
             raise errors.Misconfigured(EDGE_RETENTION_REFUSED)
         self._store_arg = store
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = RecoveryMetrics(self.registry)
+        self._registry = registry if registry is not None else new_registry()
+        self.metrics = RecoveryMetrics(self._registry)
         self.recovered = 0
         self.batches = 0
         self.errors = 0
@@ -244,6 +317,13 @@ class RecoveryLoop:
         self._unresolved_projects: set[str] = set()
         self.pruned = 0
         self._last_prune: float | None = None  # monotonic start of the last prune round
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The loop's Prometheus registry; ``Misconfigured`` without prometheus-client."""
+        if self._registry is None:
+            raise errors.Misconfigured(f"QL3_INVALID_ARGUMENT: {NO_PROMETHEUS}")
+        return self._registry
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -413,7 +493,7 @@ class RecoveryLoop:
         now = time.monotonic()
         if (
             retention is None
-            or not isinstance(store, PgStore)  # refused at __init__ (D58)
+            or isinstance(store, EdgeStore)  # refused at __init__ (D58)
             or (
                 self._last_prune is not None and now - self._last_prune < self.config.prune_interval
             )
@@ -504,12 +584,14 @@ class RecoveryLoop:
         self._http = serve_status(
             self.config.metrics_host,
             self.config.metrics_port,
-            self.registry,
+            self._registry,
             self.health,
             name="ql3-recovery-http",
             log=log,
         )
         self.metrics_port = None if self._http is None else self._http.port
+        if self._http is not None and self._registry is None:
+            _log(logging.WARNING, "metrics_not_served", detail=NO_PROMETHEUS)
 
     def _close_http(self) -> None:
         if self._http is not None:
@@ -592,6 +674,9 @@ def _retention(value: timedelta | None, environ: Mapping[str, str]) -> float | N
 def owned_store(dsn: str, config: RecoveryConfig, *, checked: bool = False) -> PgStore:
     """The one-connection store of ``ql3 recover``, bounded by ``config.statement_timeout``
     (``checked``: connect once directly first, so that an unreachable database says why)."""
+    with needs_postgres("ql3 recover on PostgreSQL", sqlite=True):
+        from ql3.db import Timeouts
+        from ql3.store import PgStore
     statement_ms = max(1, round(config.statement_timeout * 1000))
     timeouts = Timeouts(statement_ms=statement_ms)
     if checked:
@@ -665,7 +750,8 @@ def edge_store(path: str, config: RecoveryConfig) -> EdgeStore:
 def command(args: argparse.Namespace) -> int:
     """``ql3 recover``: one bounded call, or the daemon with ``--loop``; on PostgreSQL, or
     with ``--sqlite`` on an edge device's file."""
-    dsn = None if args.sqlite is not None else dsn_from_env(args.dsn)
+    where = "ql3 recover on PostgreSQL"
+    dsn = None if args.sqlite is not None else dsn_from_env(args.dsn, where, sqlite=True)
     try:
         config = config_from_args(args)
     except errors.InvalidArgument as exc:

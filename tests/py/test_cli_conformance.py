@@ -13,9 +13,13 @@ recovery daemon on an edge file.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -27,13 +31,17 @@ from prometheus_client import CollectorRegistry
 
 from fix_invocations import PAST, admission, completion, model_step
 from fix_stores import make_edge_store
-from ql3 import cli
+from ql3 import cli, recovery
 from ql3.edge import EdgeStore
 from ql3.edge.schema import file_journal_mode
 from ql3.invocations import Outcome, Usage
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.store import PgStore
 from test_invocations_cli import fetch, recover_loop
+
+# ``recover --loop`` run in process configures the root logger: each test restores it, so
+# no later test logs to a capture stream that is gone.
+pytestmark = pytest.mark.usefixtures("root_logging")
 
 Store = Any
 """A PgStore or an EdgeStore."""
@@ -468,3 +476,81 @@ def test_recover_loop_process_on_sqlite_serves_metrics_and_exits_0_on_sigterm(
         assert proc.wait(timeout=20) == 0
         logs.until("recovery_stopped", recovered=1)
     assert file_journal_mode(Path(path)) == "delete"
+
+
+# -- without the extras (D58): --sqlite needs none, PostgreSQL names its extra ----------------
+
+BARE = (
+    "import sys; sys.modules.update(psycopg=None, psycopg_pool=None, redis=None, "
+    "prometheus_client=None, httpx=None); from ql3 import command; sys.argv[0] = 'ql3'; "
+    "sys.exit(command.main())"
+)
+"""``ql3`` as on ``pip install ql3`` alone: every driver's import fails (the wheel itself
+is checked in ``test_edge_install``)."""
+
+
+def bare_ql3(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QL3_")}
+    return subprocess.run([sys.executable, "-c", BARE, *argv], capture_output=True, text=True,
+                          env=env, timeout=60)  # fmt: skip
+
+
+def test_without_the_drivers_the_edge_commands_run(tmp_path: Path) -> None:
+    with make_edge_store("edge-wal", tmp_path) as edge:
+        run_id, step = model_step(edge)
+        edge.admit_invocation(admission(run_id, step, invocation_id="inv-x", deadline=PAST))
+    path = str(tmp_path / "ql3-wal.db")
+    for argv in (["recover", "--grace", "0"], ["invocations", "list", "--unresolved", "--json"],
+                 ["invocations", "show", "inv-x"], ["usage", "--project", "proj"],
+                 ["resolve", "inv-x", "--decision", "fail", "--user", "u"]):  # fmt: skip
+        done = bare_ql3(*argv, "--sqlite", path)
+        assert done.returncode == 0, (argv, done.stderr)
+        assert "Traceback" not in done.stderr
+    with EdgeStore(path) as edge:
+        row = edge.step_run(step)
+    assert row is not None and row["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["recover", "--dsn", "postgresql://x/y"],
+        ["recover", "--loop"],
+        ["invocations", "list", "--dsn", "postgresql://x/y"],
+        ["resolve", "inv-1", "--decision", "fail", "--user", "u"],
+        ["revision", "show", "--revision", "r", "--dsn", "postgresql://x/y"],
+        ["prune", "--delivered-before", "7d", "--dsn", "postgresql://x/y"],
+        ["migrate", "--dsn", "postgresql://x/y"],
+        ["ready"],
+        ["verify", "--dsn", "postgresql://x/y"],
+    ],
+    ids=" ".join,
+)
+def test_without_the_driver_postgresql_names_its_extra(argv: list[str]) -> None:
+    done = bare_ql3(*argv)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "needs psycopg, which this install lacks: pip install 'ql3[postgres]'" in done.stderr
+
+
+def test_without_prometheus_the_loop_serves_healthz_and_says_why_metrics_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(recovery, "new_registry", lambda: None)
+    caplog.set_level(logging.WARNING, logger="ql3.recovery")
+    with make_edge_store("edge-wal", tmp_path) as edge:
+        config = RecoveryConfig(grace_seconds=0, interval=3600, metrics_port=0)
+        loop = RecoveryLoop(edge, config)
+        loop.start()
+        try:
+            loop.wait_until(lambda r: r.batches >= 1)
+            assert loop.metrics_port is not None
+            status, body = fetch(loop.metrics_port, "/healthz")
+            assert status == 200 and json.loads(body)["status"] == "ok"
+            status, body = fetch(loop.metrics_port, "/metrics")
+            assert status == 501 and "prometheus-client is not installed" in body
+        finally:
+            loop.stop()
+    assert [r.getMessage() for r in caplog.records] == ["metrics_not_served"]
+    with pytest.raises(Exception, match="prometheus-client is not installed"):
+        _ = loop.registry

@@ -109,6 +109,14 @@ def merged(path: Path, fresh: dict[str, Any], partial: bool) -> dict[str, Any]:
     return {name: kept[name] for name in BENCHMARKS if name in kept}
 
 
+def _partial_note(doc: Mapping[str, Any]) -> str:
+    """With ``--only``: which benchmarks this run measured (the other rows are older)."""
+    run = [name for name in doc.get("benchmarks_run", []) if name in doc["benchmarks"]]
+    if not run or set(run) == set(doc["benchmarks"]):
+        return ""
+    return f" This run measured only {', '.join(run)}; the other rows are kept from earlier runs."
+
+
 def markdown_table(doc: Mapping[str, Any]) -> str:
     machine = doc["machine"]
     lines = [
@@ -117,7 +125,7 @@ def markdown_table(doc: Mapping[str, Any]) -> str:
         + (" — **quick smoke run, not representative**" if doc.get("quick") else "")
         + f"; this run took {doc['run_seconds']:.0f} s; 1-minute load average "
         f"{machine['load_average_at_start'][0]} at start, {machine['load_average_at_end'][0]} "
-        "at end.",
+        "at end." + _partial_note(doc),
         "",
         "| Benchmark | Figure | Baseline (same run) | Ratio | Target | Result |",
         "| --- | --- | --- | ---: | --- | --- |",

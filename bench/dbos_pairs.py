@@ -179,19 +179,9 @@ def _run(url: str, clients: int, seconds: float) -> dict[str, Any]:
         workflows = sum(counts)
     finally:
         DBOS.destroy()
-    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as conn:
-        row = conn.execute(
-            "SELECT (SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'),"
-            " (SELECT count(*) FROM dbos.workflow_status),"
-            " (SELECT count(*) FROM dbos.operation_outputs)"
-        ).fetchone()
-    assert row is not None
-    succeeded, total, steps = (int(x) for x in row)
-    if succeeded != total or steps != total or total < workflows:
-        raise RuntimeError(
-            f"system database holds {total} workflows ({succeeded} succeeded) and {steps} step"
-            f" outputs after {workflows} timed workflows and a warm-up"
-        )
+    total = checked_system_database(
+        url.replace("postgresql+psycopg://", "postgresql://"), workflows
+    )
     return {
         "clients": clients,
         "seconds": round(elapsed, 3),
@@ -209,6 +199,25 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     print(json.dumps(_run(args.url, args.clients, args.seconds)), flush=True)
     return 0
+
+
+def checked_system_database(libpq_url: str, workflows: int) -> int:
+    """The workflows DBOS recorded, once every one succeeded with its one step output and
+    there are at least the ``workflows`` timed (plus the warm-up's); raises otherwise."""
+    with psycopg.connect(libpq_url) as conn:
+        row = conn.execute(
+            "SELECT (SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'),"
+            " (SELECT count(*) FROM dbos.workflow_status),"
+            " (SELECT count(*) FROM dbos.operation_outputs)"
+        ).fetchone()
+    assert row is not None
+    succeeded, total, steps = (int(x) for x in row)
+    if succeeded != total or steps != total or total < workflows:
+        raise RuntimeError(
+            f"system database holds {total} workflows ({succeeded} succeeded) and {steps} step"
+            f" outputs after {workflows} timed workflows and a warm-up"
+        )
+    return total
 
 
 if __name__ == "__main__":

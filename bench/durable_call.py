@@ -548,19 +548,7 @@ def _dbos_child(url: str, callers: int, seconds: float, api: str) -> dict[str, A
             workflows = sum(counts)
     finally:
         DBOS.destroy()
-    with psycopg.connect(libpq_url) as conn:
-        row = conn.execute(
-            "SELECT (SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'),"
-            " (SELECT count(*) FROM dbos.workflow_status),"
-            " (SELECT count(*) FROM dbos.operation_outputs)"
-        ).fetchone()
-    assert row is not None
-    succeeded, total, steps = (int(x) for x in row)
-    if succeeded != total or steps != total or total < workflows:
-        raise RuntimeError(
-            f"system database holds {total} workflows ({succeeded} succeeded) and {steps} step"
-            f" outputs after {workflows} timed workflows and a warm-up"
-        )
+    total = dbos_pairs.checked_system_database(libpq_url, workflows)
     return {
         "callers": callers,
         "api": api,

@@ -7,21 +7,6 @@ BEGIN;
 
 SELECT plan(29);
 
-CREATE FUNCTION tests.full_message(p_sql text) RETURNS text
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    state text;
-    message text;
-BEGIN
-    EXECUTE p_sql;
-    RETURN 'no error';
-EXCEPTION WHEN OTHERS THEN
-    GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE, message = MESSAGE_TEXT;
-    RETURN state || ' ' || message;
-END;
-$$;
-
 CREATE TEMP TABLE cmd AS
 SELECT tests.admission(
     'inv-n1', 'cccccccc-0000-0000-0000-000000000001', 'dddddddd-0000-0000-0000-000000000001', 1,
@@ -119,28 +104,28 @@ SELECT * FROM tests.rejects(
 
 -- A command the run and step functions could not take gets the admission's own error.
 SELECT is(
-    tests.full_message($$SELECT ql3_ai.admit_in_new_run(c - 'run_id') FROM cmd$$),
-    tests.full_message($$SELECT ql3_ai.admit_invocation(c - 'run_id') FROM cmd$$),
+    tests.failure_of($$SELECT ql3_ai.admit_in_new_run(c - 'run_id') FROM cmd$$),
+    tests.failure_of($$SELECT ql3_ai.admit_invocation(c - 'run_id') FROM cmd$$),
     'a missing run_id: the same error as admit_invocation'
 );
 SELECT is(
-    tests.full_message($$SELECT ql3_ai.admit_in_new_run(jsonb_set(c, '{step_run_id}', '"DDDDDDDD-0000-0000-0000-000000000009"')) FROM cmd$$),
-    tests.full_message($$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{step_run_id}', '"DDDDDDDD-0000-0000-0000-000000000009"')) FROM cmd$$),
+    tests.failure_of($$SELECT ql3_ai.admit_in_new_run(jsonb_set(c, '{step_run_id}', '"DDDDDDDD-0000-0000-0000-000000000009"')) FROM cmd$$),
+    tests.failure_of($$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{step_run_id}', '"DDDDDDDD-0000-0000-0000-000000000009"')) FROM cmd$$),
     'an uppercase step_run_id: the same error as admit_invocation'
 );
 SELECT is(
-    tests.full_message($$SELECT ql3_ai.admit_in_new_run(jsonb_set(c, '{project_id}', to_jsonb(repeat('p', 129)))) FROM cmd$$),
-    tests.full_message($$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{project_id}', to_jsonb(repeat('p', 129)))) FROM cmd$$),
+    tests.failure_of($$SELECT ql3_ai.admit_in_new_run(jsonb_set(c, '{project_id}', to_jsonb(repeat('p', 129)))) FROM cmd$$),
+    tests.failure_of($$SELECT ql3_ai.admit_invocation(jsonb_set(c, '{project_id}', to_jsonb(repeat('p', 129)))) FROM cmd$$),
     'a 129-character project_id: the same error as admit_invocation'
 );
 SELECT is(
-    tests.full_message($$SELECT ql3_ai.admit_in_new_run('[]')$$),
-    tests.full_message($$SELECT ql3_ai.admit_invocation('[]')$$),
+    tests.failure_of($$SELECT ql3_ai.admit_in_new_run('[]')$$),
+    tests.failure_of($$SELECT ql3_ai.admit_invocation('[]')$$),
     'a command that is not an object: the same error as admit_invocation'
 );
 SELECT is(
-    tests.full_message($$SELECT ql3_ai.admit_in_new_run(NULL)$$),
-    tests.full_message($$SELECT ql3_ai.admit_invocation(NULL)$$),
+    tests.failure_of($$SELECT ql3_ai.admit_in_new_run(NULL)$$),
+    tests.failure_of($$SELECT ql3_ai.admit_invocation(NULL)$$),
     'a NULL command: the same error as admit_invocation'
 );
 

@@ -138,6 +138,23 @@ BEGIN
 END;
 $$;
 
+-- The SQLSTATE and message of the error p_sql raises ('no error' if none): two calls
+-- that must fail alike compare equal.
+CREATE FUNCTION tests.failure_of(p_sql text) RETURNS text
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    state text;
+    message text;
+BEGIN
+    EXECUTE p_sql;
+    RETURN 'no error';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE, message = MESSAGE_TEXT;
+    RETURN state || ' ' || message;
+END;
+$$;
+
 -- SQLSTATE and DETAIL of a failing statement, for errors whose DETAIL is part of the contract.
 CREATE FUNCTION tests.error_of(p_sql text) RETURNS text
 LANGUAGE plpgsql

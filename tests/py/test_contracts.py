@@ -269,3 +269,64 @@ def test_a_lost_reply_to_the_pipelined_commit_is_unavailable_and_the_activation_
         assert pg_proxy.commit_lost.is_set()
     assert store.active_revision("p1", FAMILY, "sre")["revision_id"] == r1["revision_id"]  # type: ignore[index]
     assert store.activate_revision("p1", FAMILY, "sre", r1["revision_id"], "alice") is None
+
+
+def test_concurrent_activations_of_one_contract_form_one_unbroken_chain(
+    db_dsn: str, store: PgStore
+) -> None:
+    """Eight sessions flip one contract among four revisions, some with a compare-and-set
+    expectation: every activation that returned an event is one link of one chain (pointer
+    versions 1..n without gaps or repeats, each event's old revision the previous event's
+    new one), every refusal is a compare-and-set conflict, and the pointer is the chain's
+    end."""
+    import random
+    import threading
+
+    revisions = [
+        str(store.put_revision("race", FAMILY, "c", {"v": i}, "alice")["revision_id"])
+        for i in range(4)
+    ]
+    returned: list[dict[str, object]] = []
+    failures: list[BaseException] = []
+    conflicts = 0
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        nonlocal conflicts
+        draw = random.Random(seed)
+        with PgStore(role_dsn(db_dsn, "operator"), max_connections=1) as mine:
+            for _ in range(40):
+                target = draw.choice(revisions)
+                expected = draw.choice([None, *revisions])
+                try:
+                    event = mine.activate_revision("race", FAMILY, "c", target, "t", expected)
+                except errors.Conflict:
+                    with lock:
+                        conflicts += 1
+                    continue
+                except BaseException as exc:  # anything else fails the test below
+                    failures.append(exc)
+                    return
+                if event is not None:
+                    with lock:
+                        returned.append(dict(event))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert failures == []
+    with psycopg.connect(db_dsn) as conn:
+        rows = conn.execute(
+            "SELECT pointer_version, old_revision_id::text, new_revision_id::text"
+            " FROM ql3.contract_outbox WHERE project_id = 'race' ORDER BY pointer_version"
+        ).fetchall()
+    assert len(rows) == len(returned) > 0 and conflicts > 0
+    assert [r[0] for r in rows] == list(range(1, len(rows) + 1))
+    assert rows[0][1] is None
+    assert all(rows[i][1] == rows[i - 1][2] for i in range(1, len(rows)))
+    assert sorted(int(str(e["pointer_version"])) for e in returned) == [r[0] for r in rows]
+    active = store.active_revision("race", FAMILY, "c")
+    assert active is not None
+    assert (str(active["revision_id"]), active["pointer_version"]) == (rows[-1][2], len(rows))

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -160,22 +160,8 @@ def _run(url: str, clients: int, seconds: float) -> dict[str, Any]:
             except BaseException as exc:  # reported by the parent thread
                 errors.append(exc)
 
-        def phase(length: float, record: bool) -> float:
-            started = time.perf_counter()
-            until = started + length
-            threads = [
-                threading.Thread(target=drive, args=(n, until, record)) for n in range(clients)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
-            return time.perf_counter() - started
-
-        phase(WARMUP_SECONDS, record=False)
-        elapsed = phase(seconds, record=True)
+        timed_threads(drive, clients, WARMUP_SECONDS, False, errors)
+        elapsed = timed_threads(drive, clients, seconds, True, errors)
         workflows = sum(counts)
     finally:
         DBOS.destroy()
@@ -199,6 +185,27 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     print(json.dumps(_run(args.url, args.clients, args.seconds)), flush=True)
     return 0
+
+
+def timed_threads(
+    drive: Callable[[int, float, bool], None],
+    workers: int,
+    length: float,
+    record: bool,
+    errors: list[BaseException],
+) -> float:
+    """``drive(slot, until, record)`` in ``workers`` threads for ``length`` seconds: the
+    seconds it took. Raises the first error a thread put in ``errors``."""
+    started = time.perf_counter()
+    until = started + length
+    threads = [threading.Thread(target=drive, args=(n, until, record)) for n in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - started
 
 
 def checked_system_database(libpq_url: str, workflows: int) -> int:

@@ -254,38 +254,32 @@ class Ql3Sides:
         self.calls = 0  # every call made (warm-ups included), checked against the receipts
 
     async def one_new_run(self, caller: int) -> None:
-        call = ModelCall.in_new_run(
-            project_id=PROJECT,
-            trace_id=TRACE,
-            policy_id=POLICY,
-            messages=MESSAGES,
-            deadline_at=deadline_in(60),
-        )
-        _check_succeeded(await self.gateway.invoke(call))
-        self.calls += 1
+        await self._invoke(ModelCall.in_new_run(**self._fields()))
 
     async def one_four_transactions(self, caller: int) -> None:
         run_id = await self.store.create_run(PROJECT, TRACE)
         step_run_id = await self.store.add_step_run(run_id, "model")
-        await self._invoke(run_id, step_run_id)
+        await self._invoke(ModelCall(run_id=run_id, step_run_id=step_run_id, **self._fields()))
 
     async def one_precreated(self, caller: int) -> None:
         mine = self.ready[caller]
         if not mine:
             raise RuntimeError("pre-created steps ran out: the batch was sized too small")
         run_id, step_run_id = mine.pop()
-        await self._invoke(run_id, step_run_id)
+        await self._invoke(ModelCall(run_id=run_id, step_run_id=step_run_id, **self._fields()))
 
-    async def _invoke(self, run_id: str, step_run_id: str) -> None:
-        call = ModelCall(
-            project_id=PROJECT,
-            run_id=run_id,
-            step_run_id=step_run_id,
-            trace_id=TRACE,
-            policy_id=POLICY,
-            messages=MESSAGES,
-            deadline_at=deadline_in(60),
-        )
+    @staticmethod
+    def _fields() -> dict[str, Any]:
+        """What every call of the benchmark shares (a fresh deadline each time)."""
+        return {
+            "project_id": PROJECT,
+            "trace_id": TRACE,
+            "policy_id": POLICY,
+            "messages": MESSAGES,
+            "deadline_at": deadline_in(60),
+        }
+
+    async def _invoke(self, call: ModelCall) -> None:
         _check_succeeded(await self.gateway.invoke(call))
         self.calls += 1
 
@@ -529,22 +523,8 @@ def _dbos_child(url: str, callers: int, seconds: float, api: str) -> dict[str, A
                 except BaseException as exc:  # reported by the main thread
                     errors.append(exc)
 
-            def phase(length: float, record: bool) -> float:
-                started = time.perf_counter()
-                threads = [
-                    threading.Thread(target=loop, args=(n, started + length, record))
-                    for n in range(callers)
-                ]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                if errors:
-                    raise errors[0]
-                return time.perf_counter() - started
-
-            phase(WARMUP_SECONDS, record=False)
-            elapsed = phase(seconds, record=True)
+            dbos_pairs.timed_threads(loop, callers, WARMUP_SECONDS, False, errors)
+            elapsed = dbos_pairs.timed_threads(loop, callers, seconds, True, errors)
             workflows = sum(counts)
     finally:
         DBOS.destroy()

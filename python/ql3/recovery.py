@@ -44,7 +44,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ql3 import arguments, errors
-from ql3.cli import SQLITE_HELP, dsn_from_env, needs_postgres, print_json
+from ql3.cli import add_dsn_or_sqlite, dsn_from_env, needs_postgres, print_json
 from ql3.edge import EdgeStore
 from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
@@ -781,11 +781,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = parser.add_argument
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--dsn", help="PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)"
-    )
-    where.add_argument("--sqlite", metavar="PATH", help=SQLITE_HELP)
+    add_dsn_or_sqlite(parser, "PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)")
     a("--limit", type=int, help=f"invocations per batch, 1..{MAX_LIMIT} (default {DEFAULT_LIMIT})")
     a(
         "--grace",

@@ -385,6 +385,37 @@ def test_a_call_in_a_new_run_creates_run_step_and_start_in_one_admission(world: 
     assert world.unsettled_starts() == 0
 
 
+class TwoMethodStore:
+    """A store with only the two methods the gateway's protocol requires."""
+
+    def __init__(self, inner: Any) -> None:
+        self.admit_invocation = inner.admit_invocation
+        self.complete_invocation = inner.complete_invocation
+
+
+def test_a_new_run_on_a_store_that_cannot_start_one_is_refused_before_anything(
+    world: World,
+) -> None:
+    call = ModelCall.in_new_run(
+        project_id=PROJECT, trace_id="trace-none", policy_id=POLICY, messages=MESSAGES,
+        deadline_at=deadline_in(30.0),
+    )  # fmt: skip
+    inner = make_store(world, world.runtime_dsn)
+
+    async def scenario() -> None:
+        try:
+            async with harness(world, store=TwoMethodStore(inner)) as h:  # type: ignore[arg-type]
+                with pytest.raises(errors.InvalidArgument, match="admit_in_new_run"):
+                    await h.gateway.invoke(call)
+        finally:
+            await close_store(inner)
+
+    run(scenario())
+    assert world.provider.calls == 0
+    assert world.starts() == 0
+    assert world.query("SELECT 1 FROM ql3.runs WHERE run_id = %s", call.run_id) == []
+
+
 def test_a_new_run_refused_by_its_policy_fence_leaves_no_run(world: World) -> None:
     """The admission in a new run fences the policy in its one transaction: a stale
     revision refuses it and the run and step it would have created are not there."""

@@ -466,10 +466,10 @@ $$;
 COMMENT ON FUNCTION ql3_ai._identity_taken(text, text, text) IS
 'The QL3_CONFLICT message for a receipt identity of an invocation phase that exists already.';
 
-CREATE FUNCTION ql3_ai.admit_invocation(command jsonb) RETURNS jsonb
+-- Admission, in a run and step that exist or (new_run) in a new one: the body of
+-- admit_invocation and admit_in_new_run.
+CREATE FUNCTION ql3_ai._admit(command jsonb, new_run boolean) RETURNS jsonb
 LANGUAGE plpgsql
-SECURITY DEFINER
-SET search_path = pg_catalog, ql3, pg_temp
 AS $$
 -- Hot path: one admission per transaction, so each expression below is also set up once
 -- per call; they are kept few and compact. Every check first runs as a cheap expression
@@ -480,7 +480,7 @@ AS $$
 -- fields are fixed, a JSON string's canonical form is its jsonb (escape_json) text, and an
 -- integer's is its digits. The pgTAP suite holds every digest equal to ql3.digest of the
 -- same value.
-<<admit_invocation>>
+<<_admit>>
 DECLARE
     command_digest text;
     invocation_id text;
@@ -505,9 +505,46 @@ DECLARE
     canonical text;
     policy_text text := 'null';
     common_shape boolean;
+    takes_ids boolean;
+    fresh boolean := FALSE;
 BEGIN
     IF pg_column_size(command) > 196608 THEN  -- the input's size first, in O(1) (D46)
         PERFORM ql3._refuse_too_large('admission command', command);
+    END IF;
+    -- In a new run (D59, D60). Ids that create_run and add_step_run could not take go on
+    -- to the admission's own checks and errors. A run, step and invocation that do not
+    -- exist yet are fresh: the run is inserted now and the step later, each as the
+    -- admission leaves it, so no row is written twice and no step locked (nobody else
+    -- can see either before COMMIT); whether the run exists is decided by inserting it.
+    -- Anything else takes create_run and add_step_run first, with their answers and
+    -- errors. Every later error takes the run with the transaction.
+    IF new_run THEN
+        takes_ids := coalesce(
+            jsonb_typeof(command) = 'object'
+            AND jsonb_typeof(command -> 'project_id') = 'string'
+            AND jsonb_typeof(command -> 'trace_id') = 'string'
+            AND jsonb_typeof(command -> 'run_id') = 'string'
+            AND jsonb_typeof(command -> 'step_run_id') = 'string'
+            AND char_length(command ->> 'project_id') BETWEEN 1 AND 128
+            AND char_length(command ->> 'trace_id') BETWEEN 1 AND 128
+            AND translate(command ->> 'run_id', '0123456789abcdef', '0000000000000000')
+                = '00000000-0000-0000-0000-000000000000'
+            AND translate(command ->> 'step_run_id', '0123456789abcdef', '0000000000000000')
+                = '00000000-0000-0000-0000-000000000000',
+            FALSE);
+        IF takes_ids AND ql3._may_act(command ->> 'project_id')
+           AND NOT EXISTS (SELECT 1 FROM ql3.step_runs AS s WHERE s.step_run_id = (command ->> 'step_run_id')::uuid)
+           AND NOT EXISTS (SELECT 1 FROM ql3_ai.model_invocation_starts AS st
+                           WHERE st.invocation_id = command ->> 'invocation_id') THEN
+            INSERT INTO ql3.runs (run_id, project_id, trace_id, version, event_seq, updated_at)
+            VALUES ((command ->> 'run_id')::uuid, command ->> 'project_id', command ->> 'trace_id', 2, 1, ql3._now())
+            ON CONFLICT ON CONSTRAINT runs_pkey DO NOTHING;
+            fresh := found;
+        END IF;
+        IF takes_ids AND NOT fresh THEN
+            PERFORM ql3.create_run(command ->> 'project_id', command ->> 'trace_id', (command ->> 'run_id')::uuid);
+            PERFORM ql3.add_step_run((command ->> 'run_id')::uuid, 'model', (command ->> 'step_run_id')::uuid);
+        END IF;
     END IF;
     -- The common shape: exactly the v1 fields, strings where strings belong, integers
     -- written as plain digits up to 10^15 (within 2^53-1 and canonical as they are), policy
@@ -643,41 +680,50 @@ BEGIN
     -- of it is locked or compared, so that no answer tells its steps' state (D47).
     IF pg_catalog.pg_sequence_last_value('ql3.project_grants_used'::regclass) IS NOT NULL THEN
         IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r
-                       WHERE r.run_id = admit_invocation.run_id AND ql3._may_act(r.project_id)) THEN
+                       WHERE r.run_id = _admit.run_id AND ql3._may_act(r.project_id)) THEN
             RAISE EXCEPTION USING
                 ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
         END IF;
     END IF;
-    -- The step lock comes first: it orders this admission against every other
-    -- transition of the step, including a concurrent admission of the same command.
-    SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = admit_invocation.step_run_id FOR UPDATE;
-    IF NOT found OR step.run_id <> admit_invocation.run_id THEN
-        IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r WHERE r.run_id = admit_invocation.run_id) THEN
+    IF fresh THEN  -- the step add_step_run would have made, and no start of this invocation
+        step.step_run_id := step_run_id;
+        step.run_id := run_id;
+        step.kind := 'model';
+        step.status := 'ready';
+        step.version := 1;
+        step.attempt_count := 0;
+    ELSE
+        -- The step lock comes first: it orders this admission against every other
+        -- transition of the step, including a concurrent admission of the same command.
+        SELECT * INTO step FROM ql3.step_runs AS s WHERE s.step_run_id = _admit.step_run_id FOR UPDATE;
+        IF NOT found OR step.run_id <> _admit.run_id THEN
+            IF NOT EXISTS (SELECT 1 FROM ql3.runs AS r WHERE r.run_id = _admit.run_id) THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
+            END IF;
             RAISE EXCEPTION USING
-                ERRCODE = 'Q3N01', MESSAGE = format('QL3_NOT_FOUND: run %s does not exist', run_id);
+                ERRCODE = 'Q3N01',
+                MESSAGE = format('QL3_NOT_FOUND: step run %s does not exist in run %s', step_run_id, run_id);
         END IF;
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3N01',
-            MESSAGE = format('QL3_NOT_FOUND: step run %s does not exist in run %s', step_run_id, run_id);
-    END IF;
 
-    SELECT * INTO prior FROM ql3_ai.model_invocation_starts AS st WHERE st.invocation_id = admit_invocation.invocation_id;
-    IF found THEN
-        IF prior.command_digest = admit_invocation.command_digest THEN
-            PERFORM ql3_ai._verify_receipt('start record', 'ql3/model-invocation-start@v1',
-                                           prior.record, prior.start_digest);
-            RETURN jsonb_build_object('status', 'existing', 'start', prior.record,
-                                      'start_digest', prior.start_digest);
-        END IF;
-        IF NOT ql3._may_act(prior.project_id) THEN  -- no word about another project's start (D47)
+        SELECT * INTO prior FROM ql3_ai.model_invocation_starts AS st WHERE st.invocation_id = _admit.invocation_id;
+        IF found THEN
+            IF prior.command_digest = _admit.command_digest THEN
+                PERFORM ql3_ai._verify_receipt('start record', 'ql3/model-invocation-start@v1',
+                                               prior.record, prior.start_digest);
+                RETURN jsonb_build_object('status', 'existing', 'start', prior.record,
+                                          'start_digest', prior.start_digest);
+            END IF;
+            IF NOT ql3._may_act(prior.project_id) THEN  -- no word about another project's start (D47)
+                RAISE EXCEPTION USING
+                    ERRCODE = 'Q3C01',
+                    MESSAGE = format('QL3_CONFLICT: invocation %s was admitted in another project', invocation_id);
+            END IF;
             RAISE EXCEPTION USING
                 ERRCODE = 'Q3C01',
-                MESSAGE = format('QL3_CONFLICT: invocation %s was admitted in another project', invocation_id);
+                MESSAGE = format('QL3_CONFLICT: invocation %s was admitted with another command (digest %s)',
+                                 invocation_id, prior.command_digest);
         END IF;
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3C01',
-            MESSAGE = format('QL3_CONFLICT: invocation %s was admitted with another command (digest %s)',
-                             invocation_id, prior.command_digest);
     END IF;
 
     IF step.kind <> 'model' THEN
@@ -736,21 +782,26 @@ BEGIN
         END IF;
     END IF;
 
-    UPDATE ql3.runs AS r
-    SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
-    WHERE r.run_id = admit_invocation.run_id
-    RETURNING * INTO run;
-    IF (run.project_id, run.trace_id) IS DISTINCT FROM (command ->> 'project_id', command ->> 'trace_id') THEN
-        IF NOT ql3._may_act(run.project_id) THEN  -- no word about another project (D47)
+    IF fresh THEN  -- inserted as the admission leaves it
+        run.version := 2;
+        run.event_seq := 1;
+    ELSE
+        UPDATE ql3.runs AS r
+        SET version = r.version + 1, event_seq = r.event_seq + 1, updated_at = ql3._now()
+        WHERE r.run_id = _admit.run_id
+        RETURNING * INTO run;
+        IF (run.project_id, run.trace_id) IS DISTINCT FROM (command ->> 'project_id', command ->> 'trace_id') THEN
+            IF NOT ql3._may_act(run.project_id) THEN  -- no word about another project (D47)
+                RAISE EXCEPTION USING
+                    ERRCODE = 'Q3C01',
+                    MESSAGE = format('QL3_CONFLICT: run %s belongs to another project', run_id);
+            END IF;
             RAISE EXCEPTION USING
                 ERRCODE = 'Q3C01',
-                MESSAGE = format('QL3_CONFLICT: run %s belongs to another project', run_id);
+                MESSAGE = format('QL3_CONFLICT: run %s belongs to project %L and trace %L, not %L and %L',
+                                 run_id, run.project_id, run.trace_id,
+                                 command ->> 'project_id', command ->> 'trace_id');
         END IF;
-        RAISE EXCEPTION USING
-            ERRCODE = 'Q3C01',
-            MESSAGE = format('QL3_CONFLICT: run %s belongs to project %L and trace %L, not %L and %L',
-                             run_id, run.project_id, run.trace_id,
-                             command ->> 'project_id', command ->> 'trace_id');
     END IF;
 
     ids := ql3_ai._identities(invocation_id, 'admission');  -- mutation_id, event_id, dedupe_key
@@ -809,6 +860,21 @@ BEGIN
         result := jsonb_build_object('status', 'created', 'start', receipt, 'start_digest', start_digest);
     END IF;
 
+    IF fresh THEN
+        INSERT INTO ql3.step_runs (
+            step_run_id, run_id, kind, status, version, attempt_count, current_invocation_id, updated_at
+        ) VALUES (
+            step_run_id, run_id, 'model', 'running', 2, 1, invocation_id, ql3._now()
+        )
+        ON CONFLICT ON CONSTRAINT step_runs_pkey DO NOTHING;
+        IF NOT found THEN
+            -- Made meanwhile in another run: add_step_run raises its QL3_CONFLICT, as on
+            -- the long way.
+            PERFORM ql3.add_step_run(run_id, 'model', step_run_id);
+            RAISE EXCEPTION USING
+                ERRCODE = 'Q3C01', MESSAGE = format('QL3_CONFLICT: step run %s exists already', step_run_id);
+        END IF;
+    END IF;
     INSERT INTO ql3_ai.model_invocation_starts (
         invocation_id, request_id, project_id, run_id, step_run_id, trace_id, attempt, provider, model,
         policy_contract_family, policy_contract_id, policy_revision_id, request_digest, deadline_at,
@@ -828,10 +894,12 @@ BEGIN
             MESSAGE = format('QL3_CONFLICT: invocation %s was admitted concurrently with another command',
                              invocation_id);
     END IF;
-    UPDATE ql3.step_runs AS s
-    SET status = 'running', version = s.version + 1, attempt_count = s.attempt_count + 1,
-        current_invocation_id = admit_invocation.invocation_id, updated_at = ql3._now()
-    WHERE s.step_run_id = admit_invocation.step_run_id;
+    IF NOT fresh THEN
+        UPDATE ql3.step_runs AS s
+        SET status = 'running', version = s.version + 1, attempt_count = s.attempt_count + 1,
+            current_invocation_id = _admit.invocation_id, updated_at = ql3._now()
+        WHERE s.step_run_id = _admit.step_run_id;
+    END IF;
     INSERT INTO ql3.run_events (run_id, seq, event_id, event_type, step_run_id, payload)
     VALUES (run_id, run.event_seq, ids[2], 'model_invocation_admitted', step_run_id,
             jsonb_build_object('invocation_id', invocation_id, 'attempt', step.attempt_count + 1,
@@ -846,6 +914,19 @@ BEGIN
 END;
 $$;
 
+COMMENT ON FUNCTION ql3_ai._admit(jsonb, boolean) IS
+'The admission of admit_invocation and (new_run) admit_in_new_run.';
+
+CREATE FUNCTION ql3_ai.admit_invocation(command jsonb) RETURNS jsonb
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, ql3, pg_temp
+AS $$
+BEGIN
+    RETURN ql3_ai._admit(command, FALSE);
+END;
+$$;
+
 COMMENT ON FUNCTION ql3_ai.admit_invocation(jsonb) IS
 'Admission: fences a ready model step to running and writes the Start receipt; only "created" may lead to provider I/O.';
 
@@ -855,32 +936,16 @@ COMMENT ON FUNCTION ql3_ai.admit_invocation(jsonb) IS
 -- the same run and step (create_run and add_step_run's replay rules), so a replay after
 -- an unknown outcome is exactly admit_invocation's replay. A command create_run or
 -- add_step_run could not take (not an object; project_id or trace_id not 1..128
--- characters of text; run_id or step_run_id not a canonical uuid) goes to admit_invocation
--- unchanged, which refuses it with the admission's own error. Any error writes nothing.
+-- characters of text; run_id or step_run_id not a canonical uuid) is refused with the
+-- admission's own error. Any error writes nothing. A run, step and invocation that do not
+-- exist yet are written once, in their admitted state (D60).
 CREATE FUNCTION ql3_ai.admit_in_new_run(command jsonb) RETURNS jsonb
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, ql3, pg_temp
 AS $$
-DECLARE
-    uuid_shape CONSTANT text := '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$';
 BEGIN
-    IF coalesce(
-        jsonb_typeof(command) = 'object'
-        AND jsonb_typeof(command -> 'project_id') = 'string'
-        AND jsonb_typeof(command -> 'trace_id') = 'string'
-        AND jsonb_typeof(command -> 'run_id') = 'string'
-        AND jsonb_typeof(command -> 'step_run_id') = 'string'
-        AND char_length(command ->> 'project_id') BETWEEN 1 AND 128
-        AND char_length(command ->> 'trace_id') BETWEEN 1 AND 128
-        AND (command ->> 'run_id') ~ uuid_shape
-        AND (command ->> 'step_run_id') ~ uuid_shape,
-        FALSE
-    ) THEN
-        PERFORM ql3.create_run(command ->> 'project_id', command ->> 'trace_id', (command ->> 'run_id')::uuid);
-        PERFORM ql3.add_step_run((command ->> 'run_id')::uuid, 'model', (command ->> 'step_run_id')::uuid);
-    END IF;
-    RETURN ql3_ai.admit_invocation(command);
+    RETURN ql3_ai._admit(command, TRUE);
 END;
 $$;
 

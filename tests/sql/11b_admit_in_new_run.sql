@@ -5,7 +5,7 @@
 BEGIN;
 \ir lib/invocation_helpers.sql
 
-SELECT plan(29);
+SELECT plan(37);
 
 CREATE TEMP TABLE cmd AS
 SELECT tests.admission(
@@ -151,6 +151,68 @@ SELECT is(
         jsonb_build_object('contract_family', 'policy_routing', 'contract_id', 'router-n', 'revision_id', b)))
         ->> 'status' FROM revs),
     'created', 'under the active revision: created'
+);
+RESET ROLE;
+
+-- A new run, step and invocation are written once, in their admitted state (D60): every row
+-- is the row create_run, add_step_run and admit_invocation leave (n2 above, same
+-- transaction, so the same now()).
+SET ROLE ql3_runtime;
+SELECT is(
+    (SELECT to_jsonb(r) - '{run_id,trace_id}'::text [] FROM ql3.runs AS r
+     WHERE r.run_id = 'cccccccc-0000-0000-0000-000000000001'),
+    (SELECT to_jsonb(r) - '{run_id,trace_id}'::text [] FROM ql3.runs AS r
+     WHERE r.run_id = 'cccccccc-0000-0000-0000-000000000002'),
+    'the run row is the one create_run and admit_invocation leave'
+);
+SELECT is(
+    (SELECT to_jsonb(s) - '{step_run_id,run_id,current_invocation_id}'::text [] FROM ql3.step_runs AS s
+     WHERE s.step_run_id = 'dddddddd-0000-0000-0000-000000000001'),
+    (SELECT to_jsonb(s) - '{step_run_id,run_id,current_invocation_id}'::text [] FROM ql3.step_runs AS s
+     WHERE s.step_run_id = 'dddddddd-0000-0000-0000-000000000002'),
+    'the step row is the one add_step_run and admit_invocation leave'
+);
+SELECT is(
+    (SELECT jsonb_agg(to_jsonb(m) - '{mutation_id,dedupe_key,step_run_id,command_digest}'::text [])
+     FROM ql3.step_run_mutations AS m WHERE m.step_run_id = 'dddddddd-0000-0000-0000-000000000001'),
+    (SELECT jsonb_agg(to_jsonb(m) - '{mutation_id,dedupe_key,step_run_id,command_digest}'::text [])
+     FROM ql3.step_run_mutations AS m WHERE m.step_run_id = 'dddddddd-0000-0000-0000-000000000002'),
+    'and so is its mutation'
+);
+SELECT is(
+    (SELECT jsonb_agg((to_jsonb(e) - '{run_id,event_id,step_run_id,payload}'::text [])
+                      || jsonb_build_object('payload', e.payload - '{invocation_id,start_digest}'::text []))
+     FROM ql3.run_events AS e WHERE e.run_id = 'cccccccc-0000-0000-0000-000000000001'),
+    (SELECT jsonb_agg((to_jsonb(e) - '{run_id,event_id,step_run_id,payload}'::text [])
+                      || jsonb_build_object('payload', e.payload - '{invocation_id,start_digest}'::text []))
+     FROM ql3.run_events AS e WHERE e.run_id = 'cccccccc-0000-0000-0000-000000000002'),
+    'and its run event'
+);
+
+-- A run that exists, with a new step: create_run finds it, add_step_run adds the step.
+RESET ROLE;
+SELECT ql3.create_run('proj', 'trace-n9', 'cccccccc-0000-0000-0000-000000000009');
+SET ROLE ql3_runtime;
+SELECT is(
+    ql3_ai.admit_in_new_run(tests.admission(
+        'inv-n9', 'cccccccc-0000-0000-0000-000000000009', 'dddddddd-0000-0000-0000-000000000009', 1,
+        p_trace_id => 'trace-n9'
+    )) ->> 'status',
+    'created', 'a run that exists and a new step: created'
+);
+SELECT results_eq(
+    $$SELECT r.version, r.event_seq, s.status, s.version FROM ql3.runs AS r
+      JOIN ql3.step_runs AS s ON s.run_id = r.run_id WHERE r.run_id = 'cccccccc-0000-0000-0000-000000000009'$$,
+    $$VALUES (2::bigint, 1::bigint, 'running'::text, 2::bigint)$$,
+    'the existing run is moved once, and the step admitted'
+);
+-- An invocation admitted on another step: admit_invocation's QL3_CONFLICT, and nothing kept.
+SELECT * FROM tests.rejects(
+    $$SELECT ql3_ai.admit_in_new_run(tests.admission(
+        'inv-n1', 'cccccccc-0000-0000-0000-000000000010', 'dddddddd-0000-0000-0000-000000000010', 1))$$,
+    'Q3C01', 'an invocation_id admitted on another step: QL3_CONFLICT, and neither run nor step is kept',
+    (SELECT format('QL3_CONFLICT: invocation inv-n1 was admitted with another command (digest %s)',
+                   r -> 'start' ->> 'command_digest') FROM n1)
 );
 RESET ROLE;
 

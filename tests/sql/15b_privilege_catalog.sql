@@ -216,7 +216,8 @@ VALUES
     ('ql3_ai._identities(text,text)', '{}', FALSE),
     ('ql3_ai._verify_receipt(text,text,jsonb,text)', '{}', FALSE),
     ('ql3_ai._identity_taken(text,text,text)', '{}', FALSE),
-    ('ql3_ai._write_completion(ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean)', '{}', FALSE);
+    ('ql3_ai._write_completion(ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean)', '{}', FALSE),
+    ('ql3_ai._admit(jsonb,boolean)', '{}', FALSE);
 
 SELECT set_eq(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p

@@ -5,11 +5,12 @@ import pytest
 from fix_logging import root_logging
 from fix_redis_topologies import redis_cluster, redis_sentinel
 from fix_servers import base_dsn, db_dsn, fresh_db, migrated_template, postgresql_server, redis_url
-from fix_stores import store
+from fix_stores import every_store, store
 
 __all__ = [
     "base_dsn",
     "db_dsn",
+    "every_store",
     "fresh_db",
     "migrated_template",
     "postgresql_server",

@@ -51,6 +51,19 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     raise AssertionError(f"unknown store kind {kind}")
 
 
+@pytest.fixture
+def every_store(db_dsn: str, tmp_path: Path) -> Iterator[dict[str, Store]]:
+    """A fresh store of each kind in STORE_KINDS at once, by kind."""
+    stores: dict[str, Store] = {"pg": PgStore(db_dsn)}
+    try:
+        for kind in EDGE_JOURNAL_MODES:
+            stores[kind] = make_edge_store(kind, tmp_path)
+        yield stores
+    finally:
+        for opened in stores.values():
+            opened.close()
+
+
 def pin_clock(store: Store, at: datetime | None) -> None:
     """Pin the store's database clock to ``at`` (None: back to the real clock).
 

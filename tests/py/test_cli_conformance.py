@@ -21,7 +21,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -57,18 +56,10 @@ def target(store: Store) -> list[str]:
 
 
 @pytest.fixture
-def every_store(db_dsn: str, tmp_path: Path) -> Iterator[dict[str, Store]]:
-    """PostgreSQL and both edge journal modes, fresh; PgStore remembers its conninfo."""
-    pg = PgStore(db_dsn)
-    pg.dsn = db_dsn  # type: ignore[attr-defined]
-    stores: dict[str, Store] = {"pg": pg}
-    try:
-        for kind in ("edge-wal", "edge-delete"):
-            stores[kind] = make_edge_store(kind, tmp_path)
-        yield stores
-    finally:
-        for opened in stores.values():
-            opened.close()
+def cli_stores(every_store: dict[str, Store], db_dsn: str) -> dict[str, Store]:
+    """The ``every_store`` fixture, with the conninfo ``target`` needs on PostgreSQL."""
+    every_store["pg"].dsn = db_dsn
+    return every_store
 
 
 @pytest.fixture
@@ -207,9 +198,9 @@ def session(capsys: pytest.CaptureFixture[str], store: Store) -> list[tuple[str,
 
 
 def test_every_command_gives_the_same_results_on_every_store(
-    capsys: pytest.CaptureFixture[str], every_store: dict[str, Store]
+    capsys: pytest.CaptureFixture[str], cli_stores: dict[str, Store]
 ) -> None:
-    sessions = {kind: session(capsys, store) for kind, store in every_store.items()}
+    sessions = {kind: session(capsys, store) for kind, store in cli_stores.items()}
     expected = sessions.pop("pg")
     by_name = dict(expected)
     recovered = by_name["recover"][1]
@@ -235,7 +226,7 @@ def test_every_command_gives_the_same_results_on_every_store(
         for (name, result), (_, want) in zip(got, expected, strict=True):
             want = _without_login(want, edge=True)
             assert result == want, f"{kind}: ql3 {name} differs: {differences(result, want)}"
-    assert file_journal_mode(Path(every_store["edge-delete"].path)) == "delete"
+    assert file_journal_mode(Path(cli_stores["edge-delete"].path)) == "delete"
 
 
 def differences(got: Any, want: Any, path: str = "") -> list[str]:
@@ -263,10 +254,10 @@ def _without_login(value: Any, *, edge: bool) -> Any:
 
 
 def test_show_spells_step_and_usage_timestamps_as_postgresql_does(
-    capsys: pytest.CaptureFixture[str], every_store: dict[str, Store]
+    capsys: pytest.CaptureFixture[str], cli_stores: dict[str, Store]
 ) -> None:
     spellings = {}
-    for kind, store in every_store.items():
+    for kind, store in cli_stores.items():
         populate(store)
         code, shown, _ = ql3_json(capsys, "invocations", "show", "inv-ok", *target(store))
         assert code == 0

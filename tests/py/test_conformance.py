@@ -20,7 +20,7 @@ import re
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -921,20 +921,8 @@ def pinned_history(store: Store) -> list[tuple[str, Any]]:
     return out
 
 
-@pytest.fixture
-def all_stores(db_dsn: str, tmp_path: Path) -> Iterator[dict[str, Store]]:
-    stores: dict[str, Store] = {"pg": PgStore(db_dsn)}
-    try:
-        for kind in ("edge-wal", "edge-delete"):
-            stores[kind] = make_edge_store(kind, tmp_path)
-        yield stores
-    finally:
-        for opened in stores.values():
-            opened.close()
-
-
-def test_pinned_clocks_give_byte_identical_records(all_stores: dict[str, Store]) -> None:
-    histories = {kind: pinned_history(s) for kind, s in all_stores.items()}
+def test_pinned_clocks_give_byte_identical_records(every_store: dict[str, Store]) -> None:
+    histories = {kind: pinned_history(s) for kind, s in every_store.items()}
     expected = histories.pop("pg")
     by_name = dict(expected)
     assert by_name["admit 1"]["start"]["admitted_at"] == "2026-12-02T12:01:00.000000Z"

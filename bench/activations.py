@@ -104,6 +104,53 @@ SELECT ql3.wake_relays();
 """
 
 
+# The function floor (diagnostic, D61): the floor's statement as the body of a PL/pgSQL
+# function made as ql3's functions are (SECURITY DEFINER, owned by ql3_owner, search_path
+# pinned, the outbox row returned as activate_revision returns it), called as the driver
+# calls activate_revision. What being a function costs before any check.
+FUNCTION_FLOOR_SQL = f"""\
+CREATE FUNCTION bench_floor_activate(p_contract_id text, p_revision_id uuid, p_old_revision_id uuid)
+RETURNS SETOF ql3.contract_outbox
+LANGUAGE plpgsql ROWS 1 SECURITY DEFINER SET search_path = pg_catalog, ql3, pg_temp
+AS $fn$
+DECLARE
+    event ql3.contract_outbox;
+BEGIN
+    WITH u AS (
+        UPDATE ql3.active_revisions AS a
+        SET active_revision_id = p_revision_id, pointer_version = a.pointer_version + 1,
+            updated_at = now(), updated_by = '{ACTOR}'
+        WHERE a.project_id = '{PROJECT}' AND a.contract_family = '{FAMILY}'
+          AND a.contract_id = p_contract_id
+        RETURNING a.contract_id, a.active_revision_id, a.pointer_version
+    )
+    INSERT INTO ql3.contract_outbox
+        (event_type, project_id, contract_family, contract_id, old_revision_id, new_revision_id,
+         pointer_version)
+    SELECT 'revision_activated', '{PROJECT}', '{FAMILY}', u.contract_id, p_old_revision_id,
+           u.active_revision_id, u.pointer_version
+    FROM u
+    RETURNING * INTO event;
+    RETURN NEXT event;
+END;
+$fn$;
+ALTER FUNCTION bench_floor_activate(text, uuid, uuid) OWNER TO ql3_owner;
+"""
+
+FUNCTION_FLOOR_SCRIPT = f"""\
+{FLIP}\\startpipeline
+BEGIN;
+SELECT bench_floor_activate(
+    c.contract_id, CASE WHEN :flip = 1 THEN c.rev2 ELSE c.rev1 END,
+    CASE WHEN :flip = 1 THEN c.rev1 ELSE c.rev2 END)
+FROM bench_clients AS c WHERE c.client_id = :client_id;
+COMMIT;
+SELECT ql3.wake_relays();
+\\endpipeline
+"""
+TARGET_FLOOR_RATIO = 0.95  # issue 23: driver activations/s against the floor's, same rounds
+
+
 def driver_dsn(dsn: str) -> str:
     """The DSN as PgStore's pool connects: outbox NOTIFYs deferred."""
     return make_conninfo(dsn, options=DEFERRED_NOTIFY_OPTION)
@@ -134,6 +181,7 @@ def _prepare(dsn: str, clients: int) -> None:
                 "INSERT INTO bench_clients VALUES (%s, %s, %s::uuid, %s::uuid)",
                 (client, contract_id, rev1, rev2),
             )
+        conn.execute(FUNCTION_FLOOR_SQL)
         conn.execute("VACUUM ANALYZE")
 
 
@@ -194,8 +242,55 @@ def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list
         "floor": lambda: _measured_activations(
             dsn, FLOOR_SCRIPT, clients, seconds, driver_dsn(dsn)
         ),
+        "function_floor": lambda: _measured_activations(
+            dsn, FUNCTION_FLOOR_SCRIPT, clients, seconds, driver_dsn(dsn)
+        ),
     }
     return alternating(sides, rounds)
+
+
+def _floor_rows(
+    runs: dict[str, list[PgbenchRun]],
+    clients: int,
+    figures: dict[str, float],
+    ratios: dict[str, float],
+    checks: dict[str, int],
+    rows: list[Row],
+) -> bool:
+    """The rows against the floor of the same rounds (D61): the function floor's, then the
+    driver's activations' (issue 23's target); the driver's verdict."""
+    key = f"{clients}_clients"
+    plural = "s" if clients > 1 else ""
+    floor_tps = median([r.tps for r in runs["floor"]])
+    base_text = f"{floor_tps:,.0f} /s floor (the required writes, plain SQL)"
+    ok = False
+    for side, label, judged in (
+        ("function_floor", ", floor in a function: the floor's statement in a SECURITY"
+         " DEFINER function", False),
+        ("driver", " (driver) against their floor", True),
+    ):  # fmt: skip
+        per_round = [ratio(a.tps, f.tps) for a, f in zip(runs[side], runs["floor"], strict=True)]
+        tps = median([r.tps for r in runs[side]])
+        ratio_key = f"{side}_over_floor_{key}"
+        ratios[ratio_key] = round(median(per_round), 3)
+        if side == "function_floor":
+            figures[f"function_floor_writes_per_s_{key}"] = round(tps, 1)
+            checks[f"function_floor_transactions_{key}"] = sum(r.transactions for r in runs[side])
+        else:
+            ok = ratios[ratio_key] >= TARGET_FLOOR_RATIO
+        rows.append(
+            Row(
+                label=f"activations/s, {clients} client{plural}{label}",
+                figure=(
+                    f"{tps:,.0f} /s (ratio per round {min(per_round):.3f} to {max(per_round):.3f})"
+                ),
+                baseline=base_text,
+                ratio=ratios[ratio_key],
+                target=f"ratio >= {TARGET_FLOOR_RATIO}" if judged else "(diagnostic)",
+                result=verdict(ok) if judged else "n/a",
+            )
+        )
+    return ok
 
 
 def run(settings: Settings) -> Result:
@@ -215,6 +310,7 @@ def run(settings: Settings) -> Result:
                 (DRIVER_SCRIPT, driver_dsn(dsn)),
                 (ACTIVATE_SCRIPT, None),
                 (FLOOR_SCRIPT, driver_dsn(dsn)),
+                (FUNCTION_FLOOR_SCRIPT, driver_dsn(dsn)),
             )
             for script, connect in warmups:
                 _reset_pointers(dsn)
@@ -257,6 +353,8 @@ def run(settings: Settings) -> Result:
                         result=verdict(ok) if judged else "n/a",
                     )
                 )
+            floor_ok = _floor_rows(runs, clients, figures, ratios, checks, rows)
+            passed = passed and floor_ok
     return Result(
         name="activations",
         figures=figures,
@@ -264,7 +362,7 @@ def run(settings: Settings) -> Result:
         ratio=ratios,
         target=(
             f"activations/s (as the Python driver sends them) >= {TARGET_RATIO} x pgbench"
-            " single-insert TPS, at 8 and 1 clients"
+            f" single-insert TPS and >= {TARGET_FLOOR_RATIO} x the floor's, at 8 and 1 clients"
         ),
         passed=passed,
         rows=rows,
@@ -276,6 +374,11 @@ def run(settings: Settings) -> Result:
             "driver: connection option -c ql3.outbox_notify=deferred (as PgStore's pool);"
             " script: \\startpipeline BEGIN; SELECT ql3.activate_revision(...); COMMIT;"
             " SELECT ql3.wake_relays(); \\endpipeline",
+            "function floor (diagnostic, D61): the floor's statement as the body of a PL/pgSQL"
+            " function made as ql3's are (SECURITY DEFINER, owned by ql3_owner, search_path"
+            " pinned, returning the outbox row), called in the driver's pipeline: the floor plus"
+            " the price of being a function (D46), before any check; against the floor: the"
+            " medians of the per-round ratios, issue 23's target for the driver's activations",
             "every activation transaction wrote one outbox row (row count = transaction count);"
             " each activation run starts from rev1 active and flips with pgbench -D flip=0",
         ],

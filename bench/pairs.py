@@ -25,6 +25,12 @@ tables), on its own fresh batch of ready
 steps. The step's row lock is taken by the fenced UPDATE itself. It answers what the
 schema's required writing alone costs; once per run the floor is checked to change every
 table exactly as a pair does (rows, counters, bytes).
+
+The function floor (diagnostic, D61): the floor's two statements, each inside a SECURITY
+DEFINER PL/pgSQL function owned by ``ql3_owner`` with ql3's ``search_path``, called as
+``ql3_runtime`` (``FUNCTION_FLOOR_SCRIPT``): what being one of ql3's functions costs
+before any check, read or digest. Issue 23 judges the pairs against the floor of the same
+rounds: pairs/s >= 0.85 x floor/s at 8 clients.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from ql3.devservers import PG_BIN
 TARGET_RATIO = 0.4
 TARGET_DBOS_RATIO = 4.0
 TARGET_CLIENTS = 8
+TARGET_FLOOR_RATIO = 0.85  # issue 23: pairs/s against the floor's, same rounds
 CLIENT_COUNTS = (1, 8)
 ROUNDS = 5
 ROUND_SECONDS = 4
@@ -235,6 +242,48 @@ WITH v AS (
 )
 SELECT 1 / count(*) FROM s;
 """
+
+
+def _floor_statements() -> tuple[str, str]:
+    """The admission and the completion statement of ``FLOOR_SCRIPT``, ending with their
+    CTEs (the ``SELECT 1 / count(*) FROM s`` that fails a transaction which moved no step
+    is left to the caller), ``:idx`` read from a parameter ``idx``."""
+    body = FLOOR_SCRIPT.split("\\set n :n + 1\n", 1)[1]
+    admission, completion, rest = body.split("SELECT 1 / count(*) FROM s;\n")
+    assert rest == "", rest
+    return (
+        admission.replace("CAST(:idx AS text)", "CAST(idx AS text)"),
+        completion.replace("CAST(:idx AS text)", "CAST(idx AS text)"),
+    )
+
+
+def _function_floor_sql() -> str:
+    """``bench_floor_admission(idx)`` and ``bench_floor_completion(idx)``: the floor's
+    statements as ql3's functions are made (SECURITY DEFINER, owned by ql3_owner,
+    ``search_path`` pinned, EXECUTE for ql3_runtime alone), without anything else."""
+    parts = []
+    for name, statement in zip(("admission", "completion"), _floor_statements(), strict=True):
+        function = f"bench_floor_{name}(idx bigint)"
+        parts.append(
+            f"CREATE FUNCTION {function} RETURNS integer\n"
+            "LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, ql3, pg_temp\n"
+            "AS $fn$\nDECLARE moved integer;\nBEGIN\n"
+            f"{statement}SELECT 1 / count(*) INTO moved FROM s;\n"
+            "RETURN moved;\nEND;\n$fn$;\n"
+            f"ALTER FUNCTION {function} OWNER TO ql3_owner;\n"
+            f"REVOKE ALL ON FUNCTION {function} FROM PUBLIC;\n"
+            f"GRANT EXECUTE ON FUNCTION {function} TO ql3_runtime;\n"
+        )
+    return "".join(parts)
+
+
+FUNCTION_FLOOR_SCRIPT = """\
+\\set idx :base + :client_id * 1000000 + :n
+\\set n :n + 1
+SELECT bench_floor_admission(:idx);
+SELECT bench_floor_completion(:idx);
+"""
+
 
 SETUP_SQL = """\
 CREATE FUNCTION bench_admission(idx bigint) RETURNS jsonb
@@ -443,6 +492,7 @@ class _Dbos:
 def _rounds(
     pairs: _Pairs,
     floor: _Pairs,
+    function_floor: _Pairs,
     tpcb_dsn: str,
     dbos: _Dbos,
     clients: int,
@@ -451,7 +501,8 @@ def _rounds(
     per_client: int,
     floor_per_client: int,
 ) -> dict[str, list[_Sample | None]]:
-    """``rounds`` runs of each side, alternating (``bench.common.alternating``)."""
+    """``rounds`` runs of each side, alternating (``bench.common.alternating``); the
+    function floor's batches are sized as the floor's."""
 
     def tpcb() -> _Sample:
         done = run_pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=seconds)
@@ -465,13 +516,100 @@ def _rounds(
         done = floor.run(clients, seconds, floor_per_client)
         return _Sample(done.tps, done.transactions)
 
+    def function_floor_pair() -> _Sample:
+        done = function_floor.run(clients, seconds, floor_per_client)
+        return _Sample(done.tps, done.transactions)
+
     sides: dict[str, Callable[[], _Sample | None]] = {
         "tpcb": tpcb,
         "pairs": pair,
         "floor": floor_pair,
+        "function_floor": function_floor_pair,
         "dbos": lambda: dbos.run(clients, seconds),
     }
     return alternating(sides, rounds)
+
+
+@dataclass(frozen=True)
+class _Against:
+    """A side's runs against a baseline's runs of the same rounds."""
+
+    per_s: float  # the side's median
+    by_round: list[float]  # side / baseline, round by round
+    ratio: float  # their median
+
+    @property
+    def text(self) -> str:
+        return (
+            f"{self.per_s:,.0f} /s (ratio per round {min(self.by_round):.3f}"
+            f" to {max(self.by_round):.3f})"
+        )
+
+
+def _diagnostic(label: str, over: _Against, baseline: str) -> Row:
+    """A row without a target: a side against its baseline."""
+    return Row(
+        label=label,
+        figure=over.text,
+        baseline=baseline,
+        ratio=over.ratio,
+        target="(diagnostic)",
+        result="n/a",
+    )
+
+
+def _against(side: list[_Sample], base: list[_Sample]) -> _Against:
+    by_round = [ratio(s.per_s, b.per_s) for s, b in zip(side, base, strict=True)]
+    return _Against(median([r.per_s for r in side]), by_round, round(median(by_round), 3))
+
+
+def _floor_rows(
+    key: str,
+    clients: int,
+    pair_runs: list[_Sample],
+    floor_runs: list[_Sample],
+    runs: dict[str, list[_Sample | None]],
+    figures: dict[str, Any],
+    ratios: dict[str, float],
+    checks: dict[str, Any],
+    rows: list[Row],
+) -> bool | None:
+    """The rows against the floor of the same rounds (D61): the function floor's (what a
+    SECURITY DEFINER function costs by itself), then the pairs' (issue 23's target at
+    ``TARGET_CLIENTS``). The pairs' verdict, or None where there is no target."""
+    function_runs = _every_round(runs["function_floor"])
+    assert function_runs is not None  # a function floor run raises instead
+    plural = "s" if clients > 1 else ""
+    base_text = (
+        f"{median([r.per_s for r in floor_runs]):,.0f} /s floor (the pair's rows by plain SQL)"
+    )
+    function = _against(function_runs, floor_runs)
+    pairs = _against(pair_runs, floor_runs)
+    figures[f"function_floor_pairs_per_s_{key}"] = round(function.per_s, 1)
+    figures[f"function_floor_over_floor_by_round_{key}"] = function.by_round
+    figures[f"pairs_over_floor_by_round_{key}"] = pairs.by_round
+    ratios[f"function_floor_over_floor_{key}"] = function.ratio
+    ratios[f"pairs_over_floor_{key}"] = pairs.ratio
+    checks[f"function_floor_completions_written_{key}"] = sum(r.count for r in function_runs)
+    label = (
+        f"admit+complete floor in functions/s, {clients} client{plural}: the floor's"
+        " statements in SECURITY DEFINER functions, as ql3_runtime"
+    )
+    rows.append(_diagnostic(label, function, base_text))
+    ok: bool | None = None
+    if clients == TARGET_CLIENTS:
+        ok = pairs.ratio >= TARGET_FLOOR_RATIO
+    rows.append(
+        Row(
+            label=f"admit+complete pairs/s against their floor, {clients} client{plural}",
+            figure=pairs.text,
+            baseline=base_text,
+            ratio=pairs.ratio,
+            target=f"ratio >= {TARGET_FLOOR_RATIO}" if ok is not None else "none",
+            result=verdict(ok),
+        )
+    )
+    return ok
 
 
 def _every_round(samples: list[_Sample | None]) -> list[_Sample] | None:
@@ -496,13 +634,14 @@ def run(settings: Settings) -> Result:
         fresh_database(settings.base_dsn, "pairs") as dsn,
         tempfile.NamedTemporaryFile("w", suffix=".pgbench", prefix="ql3-pairs-") as f,
         tempfile.NamedTemporaryFile("w", suffix=".pgbench", prefix="ql3-floor-") as ff,
+        tempfile.NamedTemporaryFile("w", suffix=".pgbench", prefix="ql3-ffloor-") as fff,
     ):
-        f.write(PAIR_SCRIPT)
-        f.flush()
-        ff.write(FLOOR_SCRIPT)
-        ff.flush()
+        for file, script in ((f, PAIR_SCRIPT), (ff, FLOOR_SCRIPT), (fff, FUNCTION_FLOOR_SCRIPT)):
+            file.write(script)
+            file.flush()
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(SETUP_SQL)
+            conn.execute(_function_floor_sql())
         with psycopg.connect(settings.base_dsn, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{tpcb_db}"')
         tpcb_dsn = with_dbname(settings.base_dsn, tpcb_db)
@@ -515,22 +654,27 @@ def run(settings: Settings) -> Result:
             bases = itertools.count(_BASE0 + _BATCH, _BATCH)
             pairs = _Pairs("pairs", dsn, f.name, bases, RUNTIME_ENV)
             floor = _Pairs("floor", dsn, ff.name, bases, OWNER_ENV)
+            function_floor = _Pairs("function floor", dsn, fff.name, bases, RUNTIME_ENV)
             for clients in CLIENT_COUNTS:
                 # Warm-up (plans, buffers); its rate sizes the batch of ready steps. The
                 # first warm-ups also count what one pair and one floor pair change.
                 count = floor_per_pair is None
                 warm = pairs.run(clients, 1, 5000, count=count)
                 floor_warm = floor.run(clients, 1, 10000, count=count)
+                function_warm = function_floor.run(clients, 1, 10000, count=count)
                 if pairs.footprint is not None and floor.footprint is not None:
                     floor_per_pair = _check_floor(
                         warm, pairs.footprint, floor_warm, floor.footprint
                     )
+                if pairs.footprint is not None and function_floor.footprint is not None:
+                    _check_floor(warm, pairs.footprint, function_warm, function_floor.footprint)
                 run_pgbench(tpcb_dsn, ["-b", "tpcb-like"], clients=clients, seconds=1)
                 per_client = math.ceil(warm.tps / clients * seconds * 3) + 1000
                 floor_per_client = math.ceil(floor_warm.tps / clients * seconds * 3) + 1000
                 runs = _rounds(
                     pairs,
                     floor,
+                    function_floor,
                     tpcb_dsn,
                     dbos,
                     clients,
@@ -541,16 +685,14 @@ def run(settings: Settings) -> Result:
                 )
                 pair_runs, tpcb_runs = _every_round(runs["pairs"]), _every_round(runs["tpcb"])
                 assert pair_runs is not None and tpcb_runs is not None  # these raise instead
-                per_round = [
-                    ratio(p.per_s, t.per_s) for p, t in zip(pair_runs, tpcb_runs, strict=True)
-                ]
-                pairs_tps = median([r.per_s for r in pair_runs])
+                over_tpcb = _against(pair_runs, tpcb_runs)
+                pairs_tps = over_tpcb.per_s
                 tpcb_tps = median([r.per_s for r in tpcb_runs])
                 key = f"{clients}_clients"
                 figures[f"pairs_per_s_{key}"] = round(pairs_tps, 1)
-                figures[f"pairs_over_tpcb_by_round_{key}"] = per_round
+                figures[f"pairs_over_tpcb_by_round_{key}"] = over_tpcb.by_round
                 baseline[f"pgbench_tpcb_like_tps_{key}"] = round(tpcb_tps, 1)
-                ratios[key] = round(median(per_round), 3)
+                ratios[key] = over_tpcb.ratio
                 written = sum(r.count for r in pair_runs)
                 checks[f"pairs_{key}"] = written
                 checks[f"completions_written_{key}"] = written
@@ -562,10 +704,7 @@ def run(settings: Settings) -> Result:
                 rows.append(
                     Row(
                         label=f"admit+complete pairs/s, {clients} client{plural}",
-                        figure=(
-                            f"{pairs_tps:,.0f} /s (ratio per round {min(per_round):.3f}"
-                            f" to {max(per_round):.3f})"
-                        ),
+                        figure=over_tpcb.text,
                         baseline=f"{tpcb_tps:,.0f} /s pgbench tpcb-like",
                         ratio=ratios[key],
                         target=f"ratio >= {TARGET_RATIO}" if ok is not None else "none",
@@ -574,30 +713,22 @@ def run(settings: Settings) -> Result:
                 )
                 floor_runs = _every_round(runs["floor"])
                 assert floor_runs is not None  # a floor run raises instead
-                floor_by_round = [
-                    ratio(p.per_s, t.per_s) for p, t in zip(floor_runs, tpcb_runs, strict=True)
-                ]
-                floor_tps = median([r.per_s for r in floor_runs])
-                figures[f"floor_pairs_per_s_{key}"] = round(floor_tps, 1)
-                figures[f"floor_over_tpcb_by_round_{key}"] = floor_by_round
-                ratios[f"floor_{key}"] = round(median(floor_by_round), 3)
+                floor_over_tpcb = _against(floor_runs, tpcb_runs)
+                figures[f"floor_pairs_per_s_{key}"] = round(floor_over_tpcb.per_s, 1)
+                figures[f"floor_over_tpcb_by_round_{key}"] = floor_over_tpcb.by_round
+                ratios[f"floor_{key}"] = floor_over_tpcb.ratio
                 checks[f"floor_completions_written_{key}"] = sum(r.count for r in floor_runs)
-                rows.append(
-                    Row(
-                        label=(
-                            f"admit+complete floor/s, {clients} client{plural}: the pair's rows"
-                            " written by plain SQL"
-                        ),
-                        figure=(
-                            f"{floor_tps:,.0f} /s (ratio per round {min(floor_by_round):.3f}"
-                            f" to {max(floor_by_round):.3f})"
-                        ),
-                        baseline=f"{tpcb_tps:,.0f} /s pgbench tpcb-like",
-                        ratio=ratios[f"floor_{key}"],
-                        target="(diagnostic)",
-                        result="n/a",
-                    )
+                label = (
+                    f"admit+complete floor/s, {clients} client{plural}: the pair's rows written"
+                    " by plain SQL"
                 )
+                tpcb_text = f"{tpcb_tps:,.0f} /s pgbench tpcb-like"
+                rows.append(_diagnostic(label, floor_over_tpcb, tpcb_text))
+                floor_ok = _floor_rows(
+                    key, clients, pair_runs, floor_runs, runs, figures, ratios, checks, rows
+                )
+                if floor_ok is not None:
+                    passed = bool(passed) and floor_ok
                 dbos_runs = _every_round(runs["dbos"])
                 dbos_tps: float | None = None
                 dbos_ok: bool | None = None
@@ -647,8 +778,9 @@ def run(settings: Settings) -> Result:
         baseline=baseline,
         ratio=ratios,
         target=(
-            f"pairs/s >= {TARGET_RATIO} x pgbench tpcb-like TPS and >= {TARGET_DBOS_RATIO:g} x DBOS"
-            f" one-step workflows/s at {TARGET_CLIENTS} clients (DBOS when measured)"
+            f"pairs/s >= {TARGET_RATIO} x pgbench tpcb-like TPS, >= {TARGET_FLOOR_RATIO} x the"
+            f" floor's and >= {TARGET_DBOS_RATIO:g} x DBOS one-step workflows/s at"
+            f" {TARGET_CLIENTS} clients (DBOS when measured)"
         ),
         passed=passed,
         rows=rows,
@@ -672,6 +804,13 @@ def run(settings: Settings) -> Result:
             " no digests (md5 strings of the same length); checked once to change every table"
             " exactly as a pair does (rows, counters, bytes): what the schema's writing alone"
             " costs, the ceiling of any admit/complete implementation on this schema",
+            "function floor (diagnostic, D61): the floor's two statements, each the body of a"
+            " PL/pgSQL function made as ql3's are (SECURITY DEFINER, owned by ql3_owner,"
+            " search_path pinned, EXECUTE for ql3_runtime alone), called as ql3_runtime, a fourth"
+            " side of every round on batches sized as the floor's, checked once to change every"
+            " table exactly as a pair does: the floor plus the price of the trust boundary (D46),"
+            " before any check, read or digest; pairs against the floor: the median of the"
+            " per-round ratios, issue 23's target at 8 clients",
             (
                 f"DBOS Transact {dbos_pairs.version()}: one workflow with one step (no I/O) per"
                 " model call, C threads through its synchronous API, system database on the same"

@@ -60,6 +60,11 @@ def test_quick_bench_run_reports_activations_and_relay_drain_with_baselines(
         assert positive(act["figures"][f"floor_writes_per_s_{clients}_clients"])
         assert positive(act["ratio"][f"floor_{clients}_clients"])
         assert act["checks"][f"floor_transactions_{clients}_clients"] > 0
+        # The function floor (D61), and the driver's activations against the floor.
+        assert positive(act["figures"][f"function_floor_writes_per_s_{clients}_clients"])
+        assert act["checks"][f"function_floor_transactions_{clients}_clients"] > 0
+        assert positive(act["ratio"][f"function_floor_over_floor_{clients}_clients"])
+        assert positive(act["ratio"][f"driver_over_floor_{clients}_clients"])
     assert isinstance(act["pass"], bool)
 
     drain = benches["relay_drain"]
@@ -86,6 +91,16 @@ def test_quick_pairs_run_reports_tpcb_ratio_and_dbos_measured_or_why_not(
         assert pairs["checks"][f"floor_completions_written_{clients}_clients"] > 0
         floor_by_round = pairs["figures"][f"floor_over_tpcb_by_round_{clients}_clients"]
         assert len(floor_by_round) == 1 and positive(floor_by_round[0])
+        # The function floor (D61) wrote pairs too, and both it and the pairs are set
+        # against the floor of the same round.
+        assert positive(pairs["figures"][f"function_floor_pairs_per_s_{clients}_clients"])
+        assert pairs["checks"][f"function_floor_completions_written_{clients}_clients"] > 0
+        for side in ("function_floor", "pairs"):
+            over = pairs["figures"][f"{side}_over_floor_by_round_{clients}_clients"]
+            assert len(over) == 1 and positive(over[0])
+            assert pairs["ratio"][f"{side}_over_floor_{clients}_clients"] == over[0]
+    judged = [row for row in pairs["rows"] if "against their floor, 8 clients" in row["label"]]
+    assert [row["target"] for row in judged] == ["ratio >= 0.85"]
     # The floor was checked to write what a pair writes; per pair:
     per_pair = pairs["checks"]["floor_changes_per_pair_as_pairs"]
     assert per_pair["ql3_ai.model_invocation_starts rows"] == 1
@@ -193,6 +208,11 @@ def test_quick_run_of_the_other_benchmarks_reports_their_figures_and_checks(
     for side, key in (("figures", "p99_ms"), ("baseline", "raw_p99_ms")):
         assert positive(prop[side][key])
     assert positive(prop["baseline"]["raw_reader_p99_ms"])  # the floor of D42
+    over_floor = prop["ratio"]["p99_over_floor"]  # judged against the floor (D61)
+    assert positive(over_floor)
+    (judged,) = [row for row in prop["rows"] if "against its floor" in row["label"]]
+    assert judged["target"] == "ratio <= 1.25"
+    assert judged["result"] == ("pass" if over_floor <= 1.25 else "fail")
     assert isinstance(prop["pass"], bool)
 
     reads = benches["cache_reads"]

@@ -489,6 +489,17 @@ def test_asynchronous_failover_after_a_stall_reports_what_it_lost(
         with contextlib.suppress(AssertionError):
             eventually("settled", lambda: step_deadlines_settled(new_primary), timeout=15)
         lost = missing_acknowledged(new_primary, run.acked)
+        # Whatever the promotion lost, the caches that watched the old primary heal without
+        # a restart: they serve the new primary's pointers, even where a pointer_version
+        # went backwards (the failover epoch, D48).
+        pointers = active_pointers(new_primary)
+        served = eventually(
+            "the cache serves the new primary's active revisions",
+            lambda: (
+                run.watchers.call(run.watchers.served()) == {key: pointers[key] for key in KEYS}
+            ),
+        )
+        healthy = eventually("relay /healthz ok", lambda: run.watchers.healthz()["status"] == "ok")
         verdicts = {}
         for name, path in (
             ("before_stall", run.snapshot),
@@ -513,6 +524,8 @@ def test_asynchronous_failover_after_a_stall_reports_what_it_lost(
             "lost": lost,
             "verify_against": verdicts,
             "timeline": run.timeline,
+            "cache_served_after_s": round(served, 1),
+            "relay_healthy_after_s": round(healthy, 1),
         }
         (tmp_path / "async-report.json").write_text(json.dumps(report, indent=2))
         with capsys.disabled():

@@ -14,6 +14,8 @@ ONLY`` transaction, so the parts agree with each other:
   enabled), indexes, row-level security policies, domains and sequences;
 - **acl**: every ACL of the schemas, their relations, columns, functions and types, and
   every default ACL of the schemas and of ql3's roles (items sorted, NULL as ``default``);
+  and each of ql3's roles: its attributes, its members (a login granted ``ql3_owner``
+  writes every table) and the roles it is a member of;
 - **ledgers**: per table of the ql3 schemas, its row count, a key-ordered sha256 of its
   full rows, and one md5 per row keyed by its primary key, over the columns that never
   change once written. The four tables whose rows change by design (runs and steps,
@@ -462,6 +464,28 @@ ACL_QUERIES: tuple[str, ...] = (
       FROM pg_default_acl AS d LEFT JOIN pg_namespace AS n ON n.oid = d.defaclnamespace
      WHERE n.nspname = ANY(%(schemas)s)
         OR (d.defaclnamespace = 0 AND pg_get_userbyid(d.defaclrole) = ANY(%(roles)s))
+    """,
+    # ql3's roles themselves: their attributes, who holds them (a login granted ql3_owner
+    # writes every table) and what they hold (ql3_runtime made a member of
+    # pg_write_all_data would too). Roles are the cluster's, so this reads pg_roles and
+    # pg_auth_members, which every role may read.
+    """
+    SELECT 'role ' || r.rolname,
+           format('login %%s superuser %%s createrole %%s createdb %%s replication %%s'
+                  ' bypassrls %%s inherit %%s; members: %%s; member of: %%s',
+                  r.rolcanlogin, r.rolsuper, r.rolcreaterole, r.rolcreatedb,
+                  r.rolreplication, r.rolbypassrls, r.rolinherit,
+                  coalesce((SELECT string_agg(x.name, ' ' ORDER BY x.name)
+                              FROM (SELECT pg_get_userbyid(m.member)::text
+                                           || CASE WHEN m.admin_option THEN ' (admin)'
+                                                   ELSE '' END AS name
+                                      FROM pg_auth_members AS m
+                                     WHERE m.roleid = r.oid) AS x), 'none'),
+                  coalesce((SELECT string_agg(x.name, ' ' ORDER BY x.name)
+                              FROM (SELECT pg_get_userbyid(m.roleid)::text AS name
+                                      FROM pg_auth_members AS m
+                                     WHERE m.member = r.oid) AS x), 'none'))
+      FROM pg_roles AS r WHERE r.rolname = ANY(%(roles)s)
     """,
 )
 

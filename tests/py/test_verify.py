@@ -191,6 +191,47 @@ def test_tampering_is_named(
     assert any(d.startswith(named) for d in report["differences"]), report["differences"]
 
 
+@pytest.mark.parametrize(
+    ("grant", "undo", "named"),
+    [
+        ("GRANT ql3_owner TO {login}", "", "acl: role ql3_owner differs"),
+        (
+            "GRANT pg_write_all_data TO ql3_runtime",
+            "REVOKE pg_write_all_data FROM ql3_runtime",
+            "acl: role ql3_runtime differs",
+        ),
+        (
+            "ALTER ROLE ql3_reader BYPASSRLS",
+            "ALTER ROLE ql3_reader NOBYPASSRLS",
+            "acl: role ql3_reader differs",
+        ),
+    ],
+)
+def test_a_changed_ql3_role_is_named(
+    grant: str,
+    undo: str,
+    named: str,
+    populated: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Roles are the cluster's, not the database's: a login given ql3_owner, a ql3 role
+    given more, or a ql3 role's attributes changed since the snapshot is a difference,
+    named by the role."""
+    login = f"verify_login_{tmp_path.name[-12:].replace('-', '_').lower()}"
+    with psycopg.connect(populated, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {login} LOGIN")
+    try:
+        report = differences_after(populated, tmp_path, capsys, grant.format(login=login))
+        assert any(d.startswith(named) for d in report["differences"]), report["differences"]
+        assert len(report["differences"]) == 1, report["differences"]
+    finally:
+        with psycopg.connect(populated, autocommit=True) as conn:
+            if undo:
+                conn.execute(undo)
+            conn.execute(f"DROP ROLE {login}")
+
+
 def test_a_deleted_row_is_named_with_its_key_and_breaks_the_invariants(
     populated: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

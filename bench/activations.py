@@ -29,12 +29,13 @@ from bench.common import (
     Result,
     Row,
     Settings,
+    against,
     alternating,
     contract_pair,
+    diagnostic_row,
     fresh_database,
     median,
     pgbench,
-    ratio,
     verdict,
 )
 from ql3.db import DEFERRED_NOTIFY_OPTION
@@ -249,6 +250,10 @@ def _rounds(dsn: str, clients: int, rounds: int, seconds: int) -> dict[str, list
     return alternating(sides, rounds)
 
 
+def _tps(runs: list[PgbenchRun]) -> list[float]:
+    return [r.tps for r in runs]
+
+
 def _floor_rows(
     runs: dict[str, list[PgbenchRun]],
     clients: int,
@@ -261,35 +266,32 @@ def _floor_rows(
     driver's activations' (issue 23's target); the driver's verdict."""
     key = f"{clients}_clients"
     plural = "s" if clients > 1 else ""
-    floor_tps = median([r.tps for r in runs["floor"]])
-    base_text = f"{floor_tps:,.0f} /s floor (the required writes, plain SQL)"
-    ok = False
-    for side, label, judged in (
-        ("function_floor", ", floor in a function: the floor's statement in a SECURITY"
-         " DEFINER function", False),
-        ("driver", " (driver) against their floor", True),
-    ):  # fmt: skip
-        per_round = [ratio(a.tps, f.tps) for a, f in zip(runs[side], runs["floor"], strict=True)]
-        tps = median([r.tps for r in runs[side]])
-        ratio_key = f"{side}_over_floor_{key}"
-        ratios[ratio_key] = round(median(per_round), 3)
-        if side == "function_floor":
-            figures[f"function_floor_writes_per_s_{key}"] = round(tps, 1)
-            checks[f"function_floor_transactions_{key}"] = sum(r.transactions for r in runs[side])
-        else:
-            ok = ratios[ratio_key] >= TARGET_FLOOR_RATIO
-        rows.append(
-            Row(
-                label=f"activations/s, {clients} client{plural}{label}",
-                figure=(
-                    f"{tps:,.0f} /s (ratio per round {min(per_round):.3f} to {max(per_round):.3f})"
-                ),
-                baseline=base_text,
-                ratio=ratios[ratio_key],
-                target=f"ratio >= {TARGET_FLOOR_RATIO}" if judged else "(diagnostic)",
-                result=verdict(ok) if judged else "n/a",
-            )
+    floor = _tps(runs["floor"])
+    base_text = f"{median(floor):,.0f} /s floor (the required writes, plain SQL)"
+    function = against(_tps(runs["function_floor"]), floor)
+    driver = against(_tps(runs["driver"]), floor)
+    figures[f"function_floor_writes_per_s_{key}"] = round(function.per_s, 1)
+    checks[f"function_floor_transactions_{key}"] = sum(
+        r.transactions for r in runs["function_floor"]
+    )
+    ratios[f"function_floor_over_floor_{key}"] = function.ratio
+    ratios[f"driver_over_floor_{key}"] = driver.ratio
+    ok = driver.ratio >= TARGET_FLOOR_RATIO
+    label = (
+        f"activations/s, {clients} client{plural}, floor in a function: the floor's statement"
+        " in a SECURITY DEFINER function"
+    )
+    rows.append(diagnostic_row(label, function, base_text))
+    rows.append(
+        Row(
+            label=f"activations/s, {clients} client{plural} (driver) against their floor",
+            figure=driver.text,
+            baseline=base_text,
+            ratio=driver.ratio,
+            target=f"ratio >= {TARGET_FLOOR_RATIO}",
+            result=verdict(ok),
         )
+    )
     return ok
 
 
@@ -329,12 +331,9 @@ def run(settings: Settings) -> Result:
                  ", floor: the required writes alone, plain SQL"),
             )  # fmt: skip
             for side, ratio_key, figure_key, label in sides:
-                per_round = [
-                    ratio(a.tps, i.tps) for a, i in zip(runs[side], runs["insert"], strict=True)
-                ]
-                tps = median([r.tps for r in runs[side]])
-                figures[f"{figure_key}_{key}"] = round(tps, 1)
-                ratios[ratio_key] = round(median(per_round), 3)
+                over = against(_tps(runs[side]), _tps(runs["insert"]))
+                figures[f"{figure_key}_{key}"] = round(over.per_s, 1)
+                ratios[ratio_key] = over.ratio
                 checks[f"{side}_transactions_{key}"] = sum(r.transactions for r in runs[side])
                 judged = side == "driver"
                 ok = ratios[ratio_key] >= TARGET_RATIO
@@ -343,12 +342,9 @@ def run(settings: Settings) -> Result:
                 rows.append(
                     Row(
                         label=f"activations/s, {clients} client{plural}{sep}{label}",
-                        figure=(
-                            f"{tps:,.0f} /s (ratio per round {min(per_round):.3f}"
-                            f" to {max(per_round):.3f})"
-                        ),
+                        figure=over.text,
                         baseline=base_text,
-                        ratio=ratios[ratio_key],
+                        ratio=over.ratio,
                         target=f"ratio >= {TARGET_RATIO}" if judged else "(diagnostic)",
                         result=verdict(ok) if judged else "n/a",
                     )

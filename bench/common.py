@@ -335,6 +335,42 @@ def ratio(figure: float, baseline: float) -> float:
     return round(figure / baseline, 3) if baseline else float("nan")
 
 
+@dataclass(frozen=True)
+class Against:
+    """A side's rates against a baseline's, round by round (the sides alternate, so each
+    round's two runs share the machine's speed)."""
+
+    per_s: float  # the side's median rate
+    by_round: list[float]  # side / baseline, per round (``ratio``)
+    ratio: float  # their median, to 3 decimals
+
+    @property
+    def text(self) -> str:
+        """The figure of a row: the median rate and the range of the per-round ratios."""
+        return (
+            f"{self.per_s:,.0f} /s (ratio per round {min(self.by_round):.3f}"
+            f" to {max(self.by_round):.3f})"
+        )
+
+
+def against(side: Sequence[float], base: Sequence[float]) -> Against:
+    """``side``'s rates against ``base``'s of the same rounds."""
+    by_round = [ratio(s, b) for s, b in zip(side, base, strict=True)]
+    return Against(median(side), by_round, round(median(by_round), 3))
+
+
+def diagnostic_row(label: str, over: Against, baseline: str) -> Row:
+    """A row without a target: a side against its baseline."""
+    return Row(
+        label=label,
+        figure=over.text,
+        baseline=baseline,
+        ratio=over.ratio,
+        target="(diagnostic)",
+        result="n/a",
+    )
+
+
 def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

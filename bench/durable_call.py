@@ -62,9 +62,9 @@ from bench.common import (
     Result,
     Row,
     Settings,
+    against,
     fresh_database,
     median,
-    ratio,
     verdict,
     with_dbname,
 )
@@ -615,13 +615,11 @@ def run(settings: Settings) -> Result:
             ok: bool | None = None
             side_ratio: float | None = None
             if dbos_runs is not None and dbos_per_s is not None:
-                by_round = [
-                    ratio(q.per_s, d.per_s) for q, d in zip(side_runs, dbos_runs, strict=True)
-                ]
-                side_ratio = round(median(by_round), 3)
-                figures[f"{side}_over_dbos_by_round_{key}"] = by_round
+                over = against([q.per_s for q in side_runs], [d.per_s for d in dbos_runs])
+                side_ratio = over.ratio
+                figures[f"{side}_over_dbos_by_round_{key}"] = over.by_round
                 ratios[f"{side}_over_dbos_{key}"] = side_ratio
-                figure += f" (ratio per round {min(by_round):.3f} to {max(by_round):.3f})"
+                figure = over.text
                 if side == judged:
                     ok = side_ratio >= TARGET_DBOS_RATIO
                     passed = passed and ok

@@ -53,10 +53,11 @@ from bench.common import (
     Result,
     Row,
     Settings,
+    against,
     alternating,
+    diagnostic_row,
     fresh_database,
     median,
-    ratio,
     run_pgbench,
     verdict,
     with_dbname,
@@ -530,37 +531,8 @@ def _rounds(
     return alternating(sides, rounds)
 
 
-@dataclass(frozen=True)
-class _Against:
-    """A side's runs against a baseline's runs of the same rounds."""
-
-    per_s: float  # the side's median
-    by_round: list[float]  # side / baseline, round by round
-    ratio: float  # their median
-
-    @property
-    def text(self) -> str:
-        return (
-            f"{self.per_s:,.0f} /s (ratio per round {min(self.by_round):.3f}"
-            f" to {max(self.by_round):.3f})"
-        )
-
-
-def _diagnostic(label: str, over: _Against, baseline: str) -> Row:
-    """A row without a target: a side against its baseline."""
-    return Row(
-        label=label,
-        figure=over.text,
-        baseline=baseline,
-        ratio=over.ratio,
-        target="(diagnostic)",
-        result="n/a",
-    )
-
-
-def _against(side: list[_Sample], base: list[_Sample]) -> _Against:
-    by_round = [ratio(s.per_s, b.per_s) for s, b in zip(side, base, strict=True)]
-    return _Against(median([r.per_s for r in side]), by_round, round(median(by_round), 3))
+def _per_s(samples: list[_Sample]) -> list[float]:
+    return [s.per_s for s in samples]
 
 
 def _floor_rows(
@@ -583,8 +555,8 @@ def _floor_rows(
     base_text = (
         f"{median([r.per_s for r in floor_runs]):,.0f} /s floor (the pair's rows by plain SQL)"
     )
-    function = _against(function_runs, floor_runs)
-    pairs = _against(pair_runs, floor_runs)
+    function = against(_per_s(function_runs), _per_s(floor_runs))
+    pairs = against(_per_s(pair_runs), _per_s(floor_runs))
     figures[f"function_floor_pairs_per_s_{key}"] = round(function.per_s, 1)
     figures[f"function_floor_over_floor_by_round_{key}"] = function.by_round
     figures[f"pairs_over_floor_by_round_{key}"] = pairs.by_round
@@ -595,7 +567,7 @@ def _floor_rows(
         f"admit+complete floor in functions/s, {clients} client{plural}: the floor's"
         " statements in SECURITY DEFINER functions, as ql3_runtime"
     )
-    rows.append(_diagnostic(label, function, base_text))
+    rows.append(diagnostic_row(label, function, base_text))
     ok: bool | None = None
     if clients == TARGET_CLIENTS:
         ok = pairs.ratio >= TARGET_FLOOR_RATIO
@@ -685,7 +657,7 @@ def run(settings: Settings) -> Result:
                 )
                 pair_runs, tpcb_runs = _every_round(runs["pairs"]), _every_round(runs["tpcb"])
                 assert pair_runs is not None and tpcb_runs is not None  # these raise instead
-                over_tpcb = _against(pair_runs, tpcb_runs)
+                over_tpcb = against(_per_s(pair_runs), _per_s(tpcb_runs))
                 pairs_tps = over_tpcb.per_s
                 tpcb_tps = median([r.per_s for r in tpcb_runs])
                 key = f"{clients}_clients"
@@ -713,7 +685,7 @@ def run(settings: Settings) -> Result:
                 )
                 floor_runs = _every_round(runs["floor"])
                 assert floor_runs is not None  # a floor run raises instead
-                floor_over_tpcb = _against(floor_runs, tpcb_runs)
+                floor_over_tpcb = against(_per_s(floor_runs), _per_s(tpcb_runs))
                 figures[f"floor_pairs_per_s_{key}"] = round(floor_over_tpcb.per_s, 1)
                 figures[f"floor_over_tpcb_by_round_{key}"] = floor_over_tpcb.by_round
                 ratios[f"floor_{key}"] = floor_over_tpcb.ratio
@@ -723,7 +695,7 @@ def run(settings: Settings) -> Result:
                     " by plain SQL"
                 )
                 tpcb_text = f"{tpcb_tps:,.0f} /s pgbench tpcb-like"
-                rows.append(_diagnostic(label, floor_over_tpcb, tpcb_text))
+                rows.append(diagnostic_row(label, floor_over_tpcb, tpcb_text))
                 floor_ok = _floor_rows(
                     key, clients, pair_runs, floor_runs, runs, figures, ratios, checks, rows
                 )
@@ -734,12 +706,10 @@ def run(settings: Settings) -> Result:
                 dbos_ok: bool | None = None
                 if dbos_runs is not None:
                     dbos_tps = median([r.per_s for r in dbos_runs])
-                    over_dbos = [
-                        ratio(p.per_s, d.per_s) for p, d in zip(pair_runs, dbos_runs, strict=True)
-                    ]
+                    over_dbos = against(_per_s(pair_runs), _per_s(dbos_runs))
                     baseline[f"dbos_one_step_workflows_per_s_{key}"] = round(dbos_tps, 1)
-                    ratios[f"pairs_over_dbos_{key}"] = round(median(over_dbos), 3)
-                    figures[f"pairs_over_dbos_by_round_{key}"] = over_dbos
+                    ratios[f"pairs_over_dbos_{key}"] = over_dbos.ratio
+                    figures[f"pairs_over_dbos_by_round_{key}"] = over_dbos.by_round
                     checks[f"dbos_workflows_{key}"] = sum(r.count for r in dbos_runs)
                     if clients == TARGET_CLIENTS:
                         dbos_ok = ratios[f"pairs_over_dbos_{key}"] >= TARGET_DBOS_RATIO

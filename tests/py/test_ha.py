@@ -412,6 +412,18 @@ def active_pointers(dsn: str) -> dict[tuple[str, str, str], tuple[str, int]]:
     return {(p, f, c): (str(r), int(v)) for p, f, c, r, v in rows}
 
 
+def caches_and_relay_heal(run: Scenario, new_primary: str) -> tuple[float, float]:
+    """Seconds until the caches that watched the old primary serve the new primary's
+    active revisions, and until the relay's /healthz is ok again."""
+    pointers = active_pointers(new_primary)
+    served = eventually(
+        "the cache serves the new primary's active revisions",
+        lambda: run.watchers.call(run.watchers.served()) == {key: pointers[key] for key in KEYS},
+    )
+    healthy = eventually("relay /healthz ok", lambda: run.watchers.healthz()["status"] == "ok")
+    return served, healthy
+
+
 def test_synchronous_failover_loses_no_acknowledged_write(
     redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -435,14 +447,7 @@ def test_synchronous_failover_loses_no_acknowledged_write(
                 )
             ),
         )
-        pointers = active_pointers(new_primary)
-        served = eventually(
-            "the cache serves the active revisions",
-            lambda: (
-                run.watchers.call(run.watchers.served()) == {key: pointers[key] for key in KEYS}
-            ),
-        )
-        healthy = eventually("relay /healthz ok", lambda: run.watchers.healthz()["status"] == "ok")
+        served, healthy = caches_and_relay_heal(run, new_primary)
 
         lost = missing_acknowledged(new_primary, acked)
         assert lost == {
@@ -489,17 +494,9 @@ def test_asynchronous_failover_after_a_stall_reports_what_it_lost(
         with contextlib.suppress(AssertionError):
             eventually("settled", lambda: step_deadlines_settled(new_primary), timeout=15)
         lost = missing_acknowledged(new_primary, run.acked)
-        # Whatever the promotion lost, the caches that watched the old primary heal without
-        # a restart: they serve the new primary's pointers, even where a pointer_version
-        # went backwards (the failover epoch, D48).
-        pointers = active_pointers(new_primary)
-        served = eventually(
-            "the cache serves the new primary's active revisions",
-            lambda: (
-                run.watchers.call(run.watchers.served()) == {key: pointers[key] for key in KEYS}
-            ),
-        )
-        healthy = eventually("relay /healthz ok", lambda: run.watchers.healthz()["status"] == "ok")
+        # Whatever the promotion lost, the caches heal without a restart, even where a
+        # pointer_version went backwards (the failover epoch, D48).
+        served, healthy = caches_and_relay_heal(run, new_primary)
         verdicts = {}
         for name, path in (
             ("before_stall", run.snapshot),

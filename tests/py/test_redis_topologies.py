@@ -202,16 +202,12 @@ class Witness:
             for n in range(100):
                 doc = json.dumps({"project_id": project, "seq": n})
                 await (probe.spublish if self.sharded else probe.publish)(self.probe_channel, doc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._heard(project, n), 0.1)
+                with contextlib.suppress(AssertionError):
+                    await until(lambda: bool(self.seqs.get(project)), 0.1, "a probe")
                     return
             raise AssertionError(f"the witness heard no probe from the master at {port}")
         finally:
             await probe.aclose()
-
-    async def _heard(self, project: str, n: int) -> None:
-        while n not in self.seqs.get(project, set()):
-            await asyncio.sleep(0.005)
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:

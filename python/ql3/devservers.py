@@ -42,11 +42,15 @@ def _as_pg_user() -> list[str]:
     return []
 
 
-def _wait_port(port: int, timeout: float = 30.0) -> None:
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    """Wait until a server listens on 127.0.0.1:port. A connection to itself does not
+    count: a port of the ephemeral range that nothing listens on yet can be given to the
+    probe as its own source port, and TCP's simultaneous open then connects it to itself."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
+            if s.getsockname() != s.getpeername():
+                return
         time.sleep(0.05)
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
@@ -82,7 +86,7 @@ class PostgresServer:
         ]  # fmt: skip
         with open(self.datadir / "server.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        _wait_port(self.port)
+        wait_port(self.port)
         for _ in range(200):
             ready = subprocess.run(
                 [str(PG_BIN / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)],
@@ -165,7 +169,7 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
-        _wait_port(self.port)
+        wait_port(self.port)
 
     def stop(self) -> None:
         if self.proc is None:

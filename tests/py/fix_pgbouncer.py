@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -25,9 +26,10 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from fix_servers import LOGIN_ROLES
-from ql3.devservers import _wait_port, free_port
+from ql3.devservers import free_port, wait_port
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+FAILED_STATES: list[str] = []  # each PgBouncer's state after a failed test, for the run's end
 SERVER_POOL = 4
 Through = Callable[[str], str]
 
@@ -73,7 +75,7 @@ def _start(
         command = ["runuser", "-u", "postgres", "--", *command]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_port(port, 15.0)
+        wait_port(port, 15.0)
     except RuntimeError:
         process.kill()
         log = (root / "pgbouncer.log").read_text() if (root / "pgbouncer.log").exists() else ""
@@ -102,6 +104,24 @@ class Bouncer:
         log = self.root / "pgbouncer.log"
         return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
 
+    def state(self) -> str:
+        """What a failed test needs to know about this PgBouncer: whether it runs, whether
+        its port accepts a connection now, how many descriptors it holds, its log's end."""
+        pid = _pid(self.root)
+        try:
+            fds: int | str = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError as exc:
+            fds = f"unknown ({exc.strerror})"
+        try:
+            socket.create_connection(("127.0.0.1", self.port), 1.0).close()
+            port = "accepts connections"
+        except OSError as exc:
+            port = f"refuses a connection ({exc})"
+        return (
+            f"alive={self.alive()} pid={pid} port {self.port} {port}; open descriptors: {fds}\n"
+            f"{self.log_tail(2500)}"
+        )
+
 
 @pytest.fixture(scope="session")
 def bouncers(base_dsn: str, migrated_template: str) -> Iterator[dict[str, Bouncer]]:
@@ -120,11 +140,15 @@ def bouncers(base_dsn: str, migrated_template: str) -> Iterator[dict[str, Bounce
 
 
 @pytest.fixture
-def pgbouncers(base_dsn: str, bouncers: dict[str, Bouncer]) -> Iterator[dict[str, Through]]:
+def pgbouncers(
+    request: pytest.FixtureRequest, base_dsn: str, bouncers: dict[str, Bouncer]
+) -> Iterator[dict[str, Through]]:
     """{"default": through, "ignore_options": through}: each maps a test-cluster DSN to the
     same DSN through that PgBouncer. A test after which a PgBouncer is no longer running
     fails with the end of its log; the next test gets a new one on the same port, rather
-    than a refused connection."""
+    than a refused connection. When a test fails, each PgBouncer's state is written to the
+    run's end (``FAILED_STATES``), where CI's output always shows it."""
+    failed_before = request.session.testsfailed
     for bouncer in bouncers.values():
         if not bouncer.alive():
             _stop(bouncer.process, bouncer.root)
@@ -132,21 +156,34 @@ def pgbouncers(base_dsn: str, bouncers: dict[str, Bouncer]) -> Iterator[dict[str
                 base_dsn, bouncer.ignore_options, bouncer.port
             )
     yield {name: bouncer.through for name, bouncer in bouncers.items()}
+    if request.session.testsfailed > failed_before:
+        FAILED_STATES.extend(
+            f"{request.node.nodeid}: pgbouncer {name!r} {bouncer.state()}"
+            for name, bouncer in bouncers.items()
+        )
     for name, bouncer in bouncers.items():
         assert bouncer.alive(), f"pgbouncer {name!r} exited during the test:\n{bouncer.log_tail()}"
 
 
+def _pid(root: Path) -> int | None:
+    """PgBouncer's own pid, from its pidfile (None once it has gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int((root / "pgbouncer.pid").read_text().strip())
+    return None
+
+
 def _stop(process: subprocess.Popen[bytes], root: Path) -> None:
     """SIGINT to PgBouncer itself (runuser does not forward signals): a safe shutdown."""
-    pidfile = root / "pgbouncer.pid"
-    with contextlib.suppress(OSError, ValueError):
-        os.kill(int(pidfile.read_text().strip()), signal.SIGINT)
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
-        process.kill()
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        pid = _pid(root)
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        try:
+            process.wait(10)
+            break
+        except subprocess.TimeoutExpired:
+            process.kill()
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -102,18 +101,6 @@ def as_role(dsn: str, role: str) -> str:
     params = conninfo_to_dict(dsn)
     params["options"] = f"-c role={role}"
     return make_conninfo(**params)  # type: ignore[arg-type]
-
-
-def wait_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
 
 
 def unreachable(dsn: str) -> str:
@@ -608,7 +595,7 @@ def test_password_protected_redis_works(db: str, prefix: str, scratch: Path) -> 
             await until(lambda: sub.seqs() == {event["seq"]}, 5, "the event")
 
     try:
-        wait_port(port)
+        devservers.wait_port(port, 10.0)
         run(scenario())
     finally:
         proc.kill()
@@ -642,7 +629,7 @@ def test_tls_redis_works_with_rediss_urls(db: str, prefix: str, scratch: Path) -
             await until(lambda: sub.seqs() == {event["seq"]}, 5, "the event over TLS")
 
     try:
-        wait_port(port)
+        devservers.wait_port(port, 10.0)
         run(scenario())
     finally:
         proc.kill()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +30,8 @@ from fix_servers import LOGIN_ROLES
 from ql3.devservers import free_port, wait_port
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+# Log lines that say PgBouncer stopped listening or accepting, or why it was told to.
+NOTABLE = re.compile(r"got SIG|shutting down|ERROR|FATAL|accept\(\)|listen|pause|suspend", re.I)
 FAILED_STATES: list[str] = []  # each PgBouncer's state after a failed test, for the run's end
 SERVER_POOL = 4
 Through = Callable[[str], str]
@@ -117,10 +120,14 @@ class Bouncer:
             port = "accepts connections"
         except OSError as exc:
             port = f"refuses a connection ({exc})"
-        return (
-            f"alive={self.alive()} pid={pid} port {self.port} {port}; open descriptors: {fds}\n"
-            f"{self.log_tail(2500)}"
-        )
+        log = self.root / "pgbouncer.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        notable = [line for line in lines if NOTABLE.search(line)]
+        return "\n".join([
+            f"alive={self.alive()} pid={pid} port {self.port} {port}; open descriptors: {fds}",
+            f"notable log lines ({len(notable)}, the last 20):", *notable[-20:],
+            "the log's last 15 lines:", *lines[-15:],
+        ])  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -146,11 +153,16 @@ def pgbouncers(
     """{"default": through, "ignore_options": through}: each maps a test-cluster DSN to the
     same DSN through that PgBouncer. A test after which a PgBouncer is no longer running
     fails with the end of its log; the next test gets a new one on the same port, rather
-    than a refused connection. When a test fails, each PgBouncer's state is written to the
-    run's end (``FAILED_STATES``), where CI's output always shows it."""
+    than a refused connection. When a test fails, or a PgBouncer is found stopped at
+    setup, each one's state is written to the run's end (``FAILED_STATES``), where CI's
+    output always shows it."""
     failed_before = request.session.testsfailed
-    for bouncer in bouncers.values():
+    for name, bouncer in bouncers.items():
         if not bouncer.alive():
+            FAILED_STATES.append(
+                f"{request.node.nodeid}: at setup, pgbouncer {name!r} had stopped since the "
+                f"last test's end; started again. Its state: {bouncer.state()}"
+            )
             _stop(bouncer.process, bouncer.root)
             bouncer.process, _, bouncer.root = _start(
                 base_dsn, bouncer.ignore_options, bouncer.port

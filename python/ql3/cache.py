@@ -580,7 +580,7 @@ class RevisionCache:
                     _log(logging.WARNING, "cache_connection_lost", error=str(exc))
                     await self._pool.check()
                     continue
-                raise translate(exc) from exc
+                raise translate(exc, self._pool) from exc
             except TimeoutError as exc:  # the pool found no connection in time
                 reraise_if_cancelled()
                 raise errors.NotSent(f"QL3_UNAVAILABLE: {exc}") from exc

@@ -78,14 +78,20 @@ def dsn_from_env(dsn: str | None) -> str:
     return value
 
 
-def translate(exc: psycopg.Error) -> errors.Ql3Error:
-    """The ql3 error for a psycopg error (custom SQLSTATEs keep their stable code)."""
+AnyPool = ConnectionPool | AsyncConnectionPool
+
+
+def translate(exc: psycopg.Error, pool: AnyPool | None = None) -> errors.Ql3Error:
+    """The ql3 error for a psycopg error (custom SQLSTATEs keep their stable code). When
+    ``pool`` handed out no connection in time, the message says what it was doing."""
     diag = exc.diag
     message = diag.message_primary or str(exc).strip() or type(exc).__name__
     mapped = errors.from_sqlstate(exc.sqlstate, message, diag.message_detail)
     if mapped is not None:
         return mapped
     state = exc.sqlstate or ""
+    if isinstance(exc, PoolTimeout) and pool is not None:
+        message = f"{message} ({pool_state(pool)})"
     result = _translate_other(exc, state, message)
     if state:
         result.sqlstate = state  # PostgreSQL's own state, for callers that tell them apart
@@ -95,9 +101,6 @@ def translate(exc: psycopg.Error) -> errors.Ql3Error:
 def _translate_other(exc: psycopg.Error, state: str, message: str) -> errors.Ql3Error:
     if isinstance(exc, psycopg.OperationalError) and not state:
         if _never_sent(exc, message):
-            why = pooler.recent_connect_failure(60.0) if isinstance(exc, PoolTimeout) else None
-            if why is not None:  # the pool's own message hides why it got no connection
-                message = f"{message}; the last connection attempt failed: {why}"
             return errors.NotSent(f"QL3_UNAVAILABLE: nothing was sent: {message}")
         # The connection failed with the call on it (or we cannot tell when): it may have
         # committed (D49).
@@ -148,15 +151,32 @@ def _never_sent(exc: psycopg.Error, message: str) -> bool:
     return message.startswith("connection failed:")
 
 
+def pool_state(pool: AnyPool) -> str:
+    """What a pool that handed out no connection in time was doing, and why its last
+    attempt to open one failed (its own attempts only, in the last minute): psycopg_pool's
+    timeout says neither, and a full pool and an unreachable server need different fixes."""
+    stats = pool.get_stats()
+    state = (
+        f"pool {pool.name}: {stats['pool_size']} of at most {pool.max_size} connections, "
+        f"{stats['pool_available']} idle, {stats.get('requests_waiting', 0)} requests waiting"
+    )
+    conninfo = pool.conninfo if isinstance(pool.conninfo, str) else None  # not a callable
+    why = None if conninfo is None else pooler.recent_connect_failure(conninfo, 60.0)
+    if why is None:
+        return f"{state}; no connection attempt failed in the last minute"
+    return f"{state}; the last connection attempt failed: {why}"
+
+
 @contextlib.contextmanager
-def translated() -> Iterator[None]:
+def translated(pool: AnyPool | None = None) -> Iterator[None]:
     """Re-raises psycopg errors raised in the block as ql3 errors, and the TypeError or
     ValueError of an argument psycopg cannot send (a value JSON cannot hold, text that is
-    not valid Unicode) as InvalidArgument."""
+    not valid Unicode) as InvalidArgument. ``pool``: the pool the block takes its
+    connection from, named in the error when it hands none out in time."""
     try:
         yield
     except psycopg.Error as exc:
-        raise translate(exc) from exc
+        raise translate(exc, pool) from exc
     except errors.Ql3Error:
         raise
     except (TypeError, ValueError) as exc:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -146,19 +147,28 @@ _NOT_APPLIED = "the server did not apply the startup options"
 _REFUSED = "the server refused the options startup parameter"
 
 
-# The last failure to open a ql3 connection (monotonic time, message): a pool retries in the
-# background and its timeout says only that no connection came, so ql3.db adds this reason.
-_last_failure: tuple[float, str] | None = None
+# Each conninfo's last failure to open a ql3 connection (monotonic time, message). A pool
+# retries in the background and its timeout says only that no connection came, so ql3.db
+# adds the reason: that pool's own, never another conninfo's (a process has several pools,
+# and a refused connection elsewhere says nothing about this one). The newest few are kept.
+_FAILURES_KEPT = 64
+_failures: dict[str, tuple[float, str]] = {}
+_failures_lock = threading.Lock()
 
 
-def _record_failure(exc: BaseException) -> None:
-    global _last_failure
-    _last_failure = (time.monotonic(), str(exc).strip() or type(exc).__name__)
+def _record_failure(conninfo: str, exc: BaseException) -> None:
+    with _failures_lock:
+        _failures.pop(conninfo, None)
+        _failures[conninfo] = (time.monotonic(), str(exc).strip() or type(exc).__name__)
+        while len(_failures) > _FAILURES_KEPT:
+            del _failures[next(iter(_failures))]
 
 
-def recent_connect_failure(within: float) -> str | None:
-    """Why the last ql3 connection attempt failed, if it failed in the last ``within`` s."""
-    failure = _last_failure
+def recent_connect_failure(conninfo: str, within: float) -> str | None:
+    """Why the last attempt to open a ql3 connection with ``conninfo`` failed, if it failed
+    in the last ``within`` s."""
+    with _failures_lock:
+        failure = _failures.get(conninfo)
     if failure is None or time.monotonic() - failure[0] > within:
         return None
     return failure[1]
@@ -176,7 +186,7 @@ class Connection(psycopg.Connection[Row]):
         try:
             return cls._connect_checked(conninfo, kwargs)
         except psycopg.OperationalError as exc:
-            _record_failure(exc)
+            _record_failure(conninfo, exc)
             raise
 
     @classmethod
@@ -215,7 +225,7 @@ class AsyncConnection(psycopg.AsyncConnection[Row]):
         try:
             return await cls._connect_checked(conninfo, kwargs)
         except psycopg.OperationalError as exc:
-            _record_failure(exc)
+            _record_failure(conninfo, exc)
             raise
 
     @classmethod

@@ -176,7 +176,7 @@ class PgStore:
         """A live connection of the pool for one call, bounded by the call limit (its COMMIT
         included, on a transactional pool passed in), errors translated (ql3.db_guard)."""
         with (
-            translated(),
+            translated(self.pool),
             checked_out(self.pool.connection) as conn,
             bounded(conn, self._call_limit),
         ):

@@ -74,7 +74,7 @@ class AsyncPgStore:
     async def _value(self, sql: str, params: tuple[Any, ...]) -> Any:
         if not self._opened:
             await self.open()
-        with translated():
+        with translated(self.pool):
             async with checked_out_async(self.pool.connection) as conn:
                 async with bounded_async(self._call_limit):
                     cur = conn.cursor()

@@ -6,6 +6,7 @@ TCP proxy that can lose a COMMIT's answer or swallow a connection.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
@@ -18,6 +19,7 @@ from ql3 import errors
 from ql3.db import Timeouts, translate
 from ql3.gateway import ModelAuditUnavailable
 from ql3.store import PgStore
+from ql3.store_async import AsyncPgStore
 from test_gateway import (  # noqa: F401  (world is a fixture)
     World,
     close_store,
@@ -61,6 +63,44 @@ def test_a_pool_that_cannot_connect_has_sent_nothing(db_dsn: str) -> None:
 def test_a_connection_that_cannot_be_opened_has_sent_nothing(db_dsn: str) -> None:
     with pytest.raises(errors.NotSent, match="nothing was sent"):
         PgStore.checked(closed_port_dsn(db_dsn), timeouts=Timeouts(connect_s=1))
+
+
+def refused_elsewhere(dsn: str) -> None:
+    """A connection refused in this process, to a server no pool below uses."""
+    with pytest.raises(errors.NotSent, match="refused"):
+        PgStore.checked(closed_port_dsn(dsn), timeouts=Timeouts(connect_s=1))
+
+
+def test_a_full_pool_says_so_and_not_another_servers_refusal(db_dsn: str) -> None:
+    """Every connection of the pool is in use: its timeout says so, and does not borrow
+    the reason of a connection refused elsewhere in the process (a misleading 'refused'
+    for a pool that only had to wait)."""
+    refused_elsewhere(db_dsn)
+    with (
+        PgStore(db_dsn, timeouts=Timeouts(connect_s=1), max_connections=1) as store,
+        store.connection(),  # its only connection, held
+        pytest.raises(errors.NotSent) as caught,
+    ):
+        store._rows("SELECT 1")
+    message = str(caught.value)
+    assert "1 of at most 1 connections, 0 idle" in message, message
+    assert "no connection attempt failed in the last minute" in message, message
+    assert "refused" not in message
+
+
+def test_a_full_asyncio_pool_says_so_too(db_dsn: str) -> None:
+    refused_elsewhere(db_dsn)
+
+    async def timed_out() -> str:
+        store = AsyncPgStore(db_dsn, timeouts=Timeouts(connect_s=1), max_connections=1)
+        async with store, store.pool.connection():  # its only connection, held
+            with pytest.raises(errors.NotSent) as caught:
+                await store._value("SELECT 1", ())
+        return str(caught.value)
+
+    message = asyncio.run(timed_out())
+    assert "1 of at most 1 connections, 0 idle" in message, message
+    assert "no connection attempt failed in the last minute" in message, message
 
 
 def test_a_call_given_up_unanswered_has_an_unknown_outcome(

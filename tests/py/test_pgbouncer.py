@@ -283,7 +283,10 @@ def test_everything_at_once_through_the_pooler(
                 await asyncio.sleep(0.005)
 
         async def caller(worker: int) -> None:
-            with PgStore(through(runtime), max_connections=1) as setup:
+            # A blocking store of its own, opened and closed off the loop (closing a pool
+            # joins its threads, which would hold up every task on the loop meanwhile).
+            setup = await asyncio.to_thread(PgStore, through(runtime), max_connections=1)
+            try:
                 for i in range(3):
                     run_id = await asyncio.to_thread(setup.create_run, PROJECT, f"gw-{worker}-{i}")
                     step = await asyncio.to_thread(setup.add_step_run, run_id, "model")
@@ -294,6 +297,8 @@ def test_everything_at_once_through_the_pooler(
                     ))  # fmt: skip
                     calls.append(result.invocation_id)
                     acknowledged["runs"].add(run_id)
+            finally:
+                await asyncio.to_thread(setup.close)
 
         try:
             await relay.wait_ready(15.0)
@@ -322,29 +327,59 @@ def test_everything_at_once_through_the_pooler(
     loop = asyncio.new_event_loop()
     recovery = RecoveryLoop(through(operator), RecoveryConfig(interval=0.2, grace_seconds=0.0))
     recovery.start()
+    pauses = Pauses()
     try:
-        with concurrent.futures.ThreadPoolExecutor(THREADS + 2) as pool:
+        with pauses, concurrent.futures.ThreadPoolExecutor(THREADS + 2) as pool:
             async_result = pool.submit(loop.run_until_complete, async_side(pairs_done))
             work = [pool.submit(pairs, w) for w in range(THREADS)]
             work.append(pool.submit(activations, 1, 9))
             expiring_future = pool.submit(expired_starts)
-            for future in work:
-                exc = future.exception(120)
-                if exc is not None:
-                    failures.append(exc)
+            failures.extend(exc for future in work if (exc := future.exception(120)))
             expiring = expiring_future.result(60)
             loop.call_soon_threadsafe(pairs_done.set)
-            side = async_result.result(120)
+            if exc := async_result.exception(120):
+                failures.append(exc)
+        if failures:  # every one, with its traceback, and whether the machine stalled
+            raise BaseExceptionGroup(f"failed through the pooler; {pauses}", failures)
+        side = async_result.result()
         recovery.wait_until(lambda r: settled(db_dsn, expiring), timeout=20.0)
         assert recovery.last_error is None
     finally:
         recovery.stop()
         close_loop(loop)
-    assert failures == []
     assert side["reads"] > 0
     assert side["latest"] == activated[-1]
     assert side["health"]["status"] == "ok" and side["health"]["delivery"] == "listen"
     assert_no_bogus_rows(db_dsn, acknowledged, side["calls"], expiring, len(activated))
+
+
+class Pauses(threading.Thread):
+    """The longest time a thread that asks to wake every 50 ms went without running: when
+    the machine stalls (or some thread holds the GIL), every timeout in the process runs out
+    at once, and a failed run says whether it saw that."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.longest = 0.0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        last = time.monotonic()
+        while not self._done.wait(0.05):
+            now = time.monotonic()
+            self.longest = max(self.longest, now - last - 0.05)
+            last = now
+
+    def __enter__(self) -> Pauses:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join()
+
+    def __str__(self) -> str:
+        return f"the longest pause of this process's threads was {self.longest:.2f} s"
 
 
 def close_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -164,6 +164,13 @@ def _record_failure(conninfo: str, exc: BaseException) -> None:
             del _failures[next(iter(_failures))]
 
 
+def _record_success(conninfo: str) -> None:
+    """The conninfo's last attempt worked: no failure of it is its last any more."""
+    if conninfo in _failures:  # a read without the lock: the common case pays nothing
+        with _failures_lock:
+            _failures.pop(conninfo, None)
+
+
 def recent_connect_failure(conninfo: str, within: float) -> str | None:
     """Why the last attempt to open a ql3 connection with ``conninfo`` failed, if it failed
     in the last ``within`` s."""
@@ -184,10 +191,12 @@ class Connection(psycopg.Connection[Row]):
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Connection[Any]:
         try:
-            return cls._connect_checked(conninfo, kwargs)
+            conn = cls._connect_checked(conninfo, kwargs)
         except psycopg.OperationalError as exc:
             _record_failure(conninfo, exc)
             raise
+        _record_success(conninfo)
+        return conn
 
     @classmethod
     def _connect_checked(cls, conninfo: str, kwargs: dict[str, Any]) -> Connection[Any]:
@@ -223,10 +232,12 @@ class AsyncConnection(psycopg.AsyncConnection[Row]):
     @classmethod
     async def connect(cls, conninfo: str = "", **kwargs: Any) -> AsyncConnection[Any]:
         try:
-            return await cls._connect_checked(conninfo, kwargs)
+            conn = await cls._connect_checked(conninfo, kwargs)
         except psycopg.OperationalError as exc:
             _record_failure(conninfo, exc)
             raise
+        _record_success(conninfo)
+        return conn
 
     @classmethod
     async def _connect_checked(cls, conninfo: str, kwargs: dict[str, Any]) -> AsyncConnection[Any]:

@@ -15,7 +15,7 @@ import pytest
 
 from fix_provider import provider  # noqa: F401  (a fixture of the world fixture)
 from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
-from ql3 import errors
+from ql3 import errors, pooler
 from ql3.db import Timeouts, translate
 from ql3.gateway import ModelAuditUnavailable
 from ql3.store import PgStore
@@ -101,6 +101,14 @@ def test_a_full_asyncio_pool_says_so_too(db_dsn: str) -> None:
     message = asyncio.run(timed_out())
     assert "1 of at most 1 connections, 0 idle" in message, message
     assert "no connection attempt failed in the last minute" in message, message
+
+
+def test_a_connection_opened_ends_its_conninfos_last_failure(db_dsn: str) -> None:
+    """'The last connection attempt failed' stays true: an attempt that works clears it."""
+    pooler._record_failure(db_dsn, RuntimeError("refused, once"))
+    assert pooler.recent_connect_failure(db_dsn, 60.0) == "refused, once"
+    pooler.Connection.connect(db_dsn).close()
+    assert pooler.recent_connect_failure(db_dsn, 60.0) is None
 
 
 def test_a_call_given_up_unanswered_has_an_unknown_outcome(

@@ -76,6 +76,9 @@ NOTIFY_CHANNEL = "ql3_contract_outbox"
 DEFAULT_METRICS_PORT = 9464
 LISTEN_APPLICATION_NAME = "ql3-relay-listen"
 WORK_APPLICATION_NAME = "ql3-relay"
+# The short-lived connection of each delivery check (``_check_delivery``), so that the
+# two work connections are all that ``pg_stat_activity`` shows as ``ql3-relay``.
+CHECK_APPLICATION_NAME = "ql3-relay-check"
 # Work connections carry this in their startup packet (no SET round trip): a relay wedged
 # mid-batch must not hold its rows for ever.
 WORK_OPTIONS = "-c idle_in_transaction_session_timeout=60s"
@@ -722,7 +725,7 @@ class Relay:
         nonce = uuid.uuid4().hex
         limit = min(5.0, self.config.listen_probe_interval)
         try:
-            sender = await self._connect(self.config.dsn, WORK_APPLICATION_NAME)
+            sender = await self._connect(self.config.dsn, CHECK_APPLICATION_NAME)
             try:
                 notify = sender.execute("SELECT pg_notify(%s, %s)", (self._check_channel, nonce))
                 await bounded(sender, notify, limit)

@@ -39,7 +39,9 @@ from ql3 import devservers
 from ql3.logs import JsonLogFormatter
 from ql3.migrate import migrate
 from ql3.relay import (
+    CHECK_APPLICATION_NAME,
     LISTEN_APPLICATION_NAME,
+    WORK_APPLICATION_NAME,
     Relay,
     RelayConfig,
     config_from_args,
@@ -868,6 +870,34 @@ def test_a_silently_cut_listen_connection_fails_its_probe_and_is_opened_again(
         run(scenario())
     finally:
         proxy.close()
+
+
+def test_the_delivery_check_connects_under_a_name_of_its_own(
+    db: str, redis_url: str, prefix: str
+) -> None:
+    """pg_stat_activity tells the relay's connections apart: its two work connections, its
+    LISTEN connection, and the short-lived one each delivery check sends its NOTIFY on (so
+    a test or an operator counting work connections does not catch a check's)."""
+
+    async def scenario() -> list[str]:
+        relay = Relay(config(db, redis_url, prefix))
+        names: list[str] = []
+        connect = relay._connect
+
+        async def recording(conninfo: str, application_name: str, options: str = "") -> Any:
+            names.append(application_name)
+            return await connect(conninfo, application_name, options)
+
+        relay._connect = recording  # type: ignore[method-assign]
+        async with running(relay):  # ready once the first delivery check has decided
+            pass
+        return names
+
+    names = asyncio.run(scenario())
+    assert names.count(WORK_APPLICATION_NAME) == 2, names
+    assert names.count(LISTEN_APPLICATION_NAME) == 1, names
+    assert names.count(CHECK_APPLICATION_NAME) >= 1, names
+    assert set(names) == {WORK_APPLICATION_NAME, LISTEN_APPLICATION_NAME, CHECK_APPLICATION_NAME}
 
 
 def test_work_connections_keep_the_dsn_options_and_set_the_idle_timeout_at_startup(

@@ -34,9 +34,9 @@ from bench.common import (
     contract_pair,
     diagnostic_row,
     fresh_database,
+    judged_row,
     median,
     pgbench,
-    verdict,
 )
 from ql3.db import DEFERRED_NOTIFY_OPTION
 
@@ -282,16 +282,8 @@ def _floor_rows(
         " in a SECURITY DEFINER function"
     )
     rows.append(diagnostic_row(label, function, base_text))
-    rows.append(
-        Row(
-            label=f"activations/s, {clients} client{plural} (driver) against their floor",
-            figure=driver.text,
-            baseline=base_text,
-            ratio=driver.ratio,
-            target=f"ratio >= {TARGET_FLOOR_RATIO}",
-            result=verdict(ok),
-        )
-    )
+    label = f"activations/s, {clients} client{plural} (driver) against their floor"
+    rows.append(judged_row(label, driver, base_text, TARGET_FLOOR_RATIO, ok))
     return ok
 
 
@@ -339,15 +331,11 @@ def run(settings: Settings) -> Result:
                 ok = ratios[ratio_key] >= TARGET_RATIO
                 passed = passed and (ok or not judged)
                 sep = " " if label.startswith("(") else ""
+                label = f"activations/s, {clients} client{plural}{sep}{label}"
                 rows.append(
-                    Row(
-                        label=f"activations/s, {clients} client{plural}{sep}{label}",
-                        figure=over.text,
-                        baseline=base_text,
-                        ratio=over.ratio,
-                        target=f"ratio >= {TARGET_RATIO}" if judged else "(diagnostic)",
-                        result=verdict(ok) if judged else "n/a",
-                    )
+                    judged_row(label, over, base_text, TARGET_RATIO, ok)
+                    if judged
+                    else diagnostic_row(label, over, base_text)
                 )
             floor_ok = _floor_rows(runs, clients, figures, ratios, checks, rows)
             passed = passed and floor_ok

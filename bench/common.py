@@ -359,6 +359,19 @@ def against(side: Sequence[float], base: Sequence[float]) -> Against:
     return Against(median(side), by_round, round(median(by_round), 3))
 
 
+def judged_row(label: str, over: Against, baseline: str, minimum: float, ok: bool | None) -> Row:
+    """A side against its baseline, judged (a ratio of at least ``minimum``) when ``ok``
+    says how it did, and with the target "none" when it has no verdict (``ok`` None)."""
+    return Row(
+        label=label,
+        figure=over.text,
+        baseline=baseline,
+        ratio=over.ratio,
+        target=f"ratio >= {minimum}" if ok is not None else "none",
+        result=verdict(ok),
+    )
+
+
 def diagnostic_row(label: str, over: Against, baseline: str) -> Row:
     """A row without a target: a side against its baseline."""
     return Row(

@@ -57,6 +57,7 @@ from bench.common import (
     alternating,
     diagnostic_row,
     fresh_database,
+    judged_row,
     median,
     run_pgbench,
     verdict,
@@ -571,16 +572,8 @@ def _floor_rows(
     ok: bool | None = None
     if clients == TARGET_CLIENTS:
         ok = pairs.ratio >= TARGET_FLOOR_RATIO
-    rows.append(
-        Row(
-            label=f"admit+complete pairs/s against their floor, {clients} client{plural}",
-            figure=pairs.text,
-            baseline=base_text,
-            ratio=pairs.ratio,
-            target=f"ratio >= {TARGET_FLOOR_RATIO}" if ok is not None else "none",
-            result=verdict(ok),
-        )
-    )
+    label = f"admit+complete pairs/s against their floor, {clients} client{plural}"
+    rows.append(judged_row(label, pairs, base_text, TARGET_FLOOR_RATIO, ok))
     return ok
 
 
@@ -673,16 +666,9 @@ def run(settings: Settings) -> Result:
                     ok = ratios[key] >= TARGET_RATIO
                     passed = ok
                 plural = "s" if clients > 1 else ""
-                rows.append(
-                    Row(
-                        label=f"admit+complete pairs/s, {clients} client{plural}",
-                        figure=over_tpcb.text,
-                        baseline=f"{tpcb_tps:,.0f} /s pgbench tpcb-like",
-                        ratio=ratios[key],
-                        target=f"ratio >= {TARGET_RATIO}" if ok is not None else "none",
-                        result=verdict(ok),
-                    )
-                )
+                tpcb_text = f"{tpcb_tps:,.0f} /s pgbench tpcb-like"
+                label = f"admit+complete pairs/s, {clients} client{plural}"
+                rows.append(judged_row(label, over_tpcb, tpcb_text, TARGET_RATIO, ok))
                 floor_runs = _every_round(runs["floor"])
                 assert floor_runs is not None  # a floor run raises instead
                 floor_over_tpcb = against(_per_s(floor_runs), _per_s(tpcb_runs))
@@ -694,7 +680,6 @@ def run(settings: Settings) -> Result:
                     f"admit+complete floor/s, {clients} client{plural}: the pair's rows written"
                     " by plain SQL"
                 )
-                tpcb_text = f"{tpcb_tps:,.0f} /s pgbench tpcb-like"
                 rows.append(diagnostic_row(label, floor_over_tpcb, tpcb_text))
                 floor_ok = _floor_rows(
                     key, clients, pair_runs, floor_runs, runs, figures, ratios, checks, rows

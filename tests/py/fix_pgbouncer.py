@@ -103,10 +103,6 @@ class Bouncer:
         """Whether PgBouncer itself still runs (runuser waits for it, so its exit says)."""
         return self.process.poll() is None
 
-    def log_tail(self, chars: int = 4000) -> str:
-        log = self.root / "pgbouncer.log"
-        return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
-
     def state(self) -> str:
         """What a failed test needs to know about this PgBouncer: whether it runs, whether
         its port accepts a connection now, how many descriptors it holds, its log's end."""
@@ -152,10 +148,10 @@ def pgbouncers(
 ) -> Iterator[dict[str, Through]]:
     """{"default": through, "ignore_options": through}: each maps a test-cluster DSN to the
     same DSN through that PgBouncer. A test after which a PgBouncer is no longer running
-    fails with the end of its log; the next test gets a new one on the same port, rather
-    than a refused connection. When a test fails, or a PgBouncer is found stopped at
-    setup, each one's state is written to the run's end (``FAILED_STATES``), where CI's
-    output always shows it."""
+    fails with its state (its log included); the next test gets a new one on the same
+    port, rather than a refused connection. When a test fails, or a PgBouncer is found
+    stopped at setup, each one's state is written to the run's end (``FAILED_STATES``),
+    where CI's output always shows it."""
     failed_before = request.session.testsfailed
     for name, bouncer in bouncers.items():
         if not bouncer.alive():
@@ -174,7 +170,7 @@ def pgbouncers(
             for name, bouncer in bouncers.items()
         )
     for name, bouncer in bouncers.items():
-        assert bouncer.alive(), f"pgbouncer {name!r} exited during the test:\n{bouncer.log_tail()}"
+        assert bouncer.alive(), f"pgbouncer {name!r} exited during the test: {bouncer.state()}"
 
 
 def _pid(root: Path) -> int | None:

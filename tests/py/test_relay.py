@@ -879,9 +879,10 @@ def test_the_delivery_check_connects_under_a_name_of_its_own(
     LISTEN connection, and the short-lived one each delivery check sends its NOTIFY on (so
     a test or an operator counting work connections does not catch a check's)."""
 
-    async def scenario() -> list[str]:
+    names: list[str] = []
+
+    async def scenario() -> None:
         relay = Relay(config(db, redis_url, prefix))
-        names: list[str] = []
         connect = relay._connect
 
         async def recording(conninfo: str, application_name: str, options: str = "") -> Any:
@@ -891,9 +892,8 @@ def test_the_delivery_check_connects_under_a_name_of_its_own(
         relay._connect = recording  # type: ignore[method-assign]
         async with running(relay):  # ready once the first delivery check has decided
             pass
-        return names
 
-    names = asyncio.run(scenario())
+    run(scenario())
     assert names.count(WORK_APPLICATION_NAME) == 2, names
     assert names.count(LISTEN_APPLICATION_NAME) == 1, names
     assert names.count(CHECK_APPLICATION_NAME) >= 1, names

@@ -71,6 +71,13 @@ def refused_elsewhere(dsn: str) -> None:
         PgStore.checked(closed_port_dsn(dsn), timeouts=Timeouts(connect_s=1))
 
 
+def assert_says_the_pool_is_full(message: str) -> None:
+    """The timeout of a pool of one connection, held, with no failure of its own."""
+    assert "1 of at most 1 connections, 0 idle" in message, message
+    assert "no connection attempt failed in the last minute" in message, message
+    assert "refused" not in message, message
+
+
 def test_a_full_pool_says_so_and_not_another_servers_refusal(db_dsn: str) -> None:
     """Every connection of the pool is in use: its timeout says so, and does not borrow
     the reason of a connection refused elsewhere in the process (a misleading 'refused'
@@ -82,10 +89,7 @@ def test_a_full_pool_says_so_and_not_another_servers_refusal(db_dsn: str) -> Non
         pytest.raises(errors.NotSent) as caught,
     ):
         store._rows("SELECT 1")
-    message = str(caught.value)
-    assert "1 of at most 1 connections, 0 idle" in message, message
-    assert "no connection attempt failed in the last minute" in message, message
-    assert "refused" not in message
+    assert_says_the_pool_is_full(str(caught.value))
 
 
 def test_a_full_asyncio_pool_says_so_too(db_dsn: str) -> None:
@@ -98,9 +102,7 @@ def test_a_full_asyncio_pool_says_so_too(db_dsn: str) -> None:
                 await store._value("SELECT 1", ())
         return str(caught.value)
 
-    message = asyncio.run(timed_out())
-    assert "1 of at most 1 connections, 0 idle" in message, message
-    assert "no connection attempt failed in the last minute" in message, message
+    assert_says_the_pool_is_full(asyncio.run(asyncio.wait_for(timed_out(), 30.0)))
 
 
 def test_a_connection_opened_ends_its_conninfos_last_failure(db_dsn: str) -> None:
@@ -109,6 +111,16 @@ def test_a_connection_opened_ends_its_conninfos_last_failure(db_dsn: str) -> Non
     assert pooler.recent_connect_failure(db_dsn, 60.0) == "refused, once"
     pooler.Connection.connect(db_dsn).close()
     assert pooler.recent_connect_failure(db_dsn, 60.0) is None
+
+
+def test_only_the_newest_conninfos_failures_are_kept() -> None:
+    """A process that meets ever new conninfos keeps a bounded record of their failures."""
+    conninfos = [f"host=192.0.2.1 port={5000 + i}" for i in range(pooler._FAILURES_KEPT + 1)]
+    for conninfo in conninfos:
+        pooler._record_failure(conninfo, RuntimeError(conninfo))
+    assert pooler.recent_connect_failure(conninfos[0], 60.0) is None  # the oldest, dropped
+    assert pooler.recent_connect_failure(conninfos[1], 60.0) == conninfos[1]
+    assert pooler.recent_connect_failure(conninfos[-1], 60.0) == conninfos[-1]
 
 
 def test_a_call_given_up_unanswered_has_an_unknown_outcome(

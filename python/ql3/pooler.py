@@ -14,10 +14,18 @@ things a direct connection keeps:
   drops it (``ignore_startup_parameters``); either way no server connection applies it.
   So a ql3 connection sends a marker setting with its options and reads it back at
   connect. When the server did not apply the options, or refused them, the connection
-  carries them into each transaction instead: ``set_config(name, value, true)`` (SET
-  LOCAL) right after BEGIN, in the same pipeline, so no round trip is added
-  (``execute``, ``execute_async``). Statements that ran outside a transaction run inside
-  one then.
+  carries them into each call instead (``execute``, ``execute_async``): the settings
+  (``set_config(name, value, true)``, SET LOCAL) and the call go as one simple-protocol
+  Query message, its parameters bound client-side. PostgreSQL runs the statements of one
+  Query as one transaction and starts the statement timeout afresh for each, so the call
+  runs under the settings; the pooler sees one message and one ReadyForQuery, and no
+  round trip is added.
+- **Pipelines.** Not a pipeline for that (D64): psycopg ends a pipeline with a Sync and
+  then a Flush. When the Flush reaches PgBouncer after the server's ReadyForQuery has
+  released the server connection, PgBouncer lends the client a server connection for it,
+  and as nothing answers a Flush, that server connection stays with the client, idle or
+  not, until the client's next transaction ends. A few idle clients then hold the whole
+  server pool and every other client waits.
 """
 
 from __future__ import annotations
@@ -44,8 +52,6 @@ _PSYCOPG_PREPARE_THRESHOLD = 5
 MARKER_NAME = "ql3.startup_options"
 MARKER_OPTION = f"-c {MARKER_NAME}=applied"
 _CHECK_SQL = f"SELECT current_setting('{MARKER_NAME}', true)"
-_BEGIN = "BEGIN"
-_COMMIT = "COMMIT"
 
 # Why a connection carries its settings per transaction, logged once per reason.
 _warned: set[str] = set()
@@ -279,17 +285,15 @@ def local_settings(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any])
 def execute(
     conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], sql: str, params: Any = ()
 ) -> None:
-    """``cur.execute(sql, params)``; wrapped in BEGIN, the settings and COMMIT, in one
-    pipeline, on a connection that carries its settings per transaction."""
+    """``cur.execute(sql, params)``; on a connection that carries its settings per
+    transaction, the settings and the call in one Query message (module doc), the cursor
+    on the call's result."""
     settings = local_settings(conn)
     if settings is None:
         cur.execute(sql, params)
         return
-    with conn.pipeline():
-        conn.execute(_BEGIN)
-        conn.execute(settings)
-        cur.execute(sql, params)
-        conn.execute(_COMMIT)
+    cur.execute(f"{settings}; {psycopg.ClientCursor(conn).mogrify(sql, params)}")
+    cur.nextset()
 
 
 async def execute_async(
@@ -300,8 +304,5 @@ async def execute_async(
     if settings is None:
         await cur.execute(sql, params)
         return
-    async with conn.pipeline():
-        await conn.execute(_BEGIN)
-        await conn.execute(settings)
-        await cur.execute(sql, params)
-        await conn.execute(_COMMIT)
+    await cur.execute(f"{settings}; {psycopg.AsyncClientCursor(conn).mogrify(sql, params)}")
+    cur.nextset()

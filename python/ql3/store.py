@@ -92,15 +92,17 @@ def _call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> R
     connection with the COMMIT queued is ``OutcomeUnknown`` (D49). A failed
     wake after a COMMIT that succeeded is logged and the committed row returned. The wake
     is sent even when the call changes nothing: the relays then find nothing to claim.
+
+    Behind a transaction pooler no pipeline (D64): the call is one Query message with its
+    settings (``ql3.pooler``), committed as it ends, and the wake a second one.
     """
-    settings = pooler.local_settings(conn)
+    if pooler.local_settings(conn) is not None:
+        return _pooled_call_then_wake(conn, sql, params)
     with conn.cursor(row_factory=dict_row) as call:
         commit = None
         try:
             with conn.pipeline():
                 conn.execute("BEGIN")
-                if settings is not None:  # behind a transaction pooler (ql3.pooler)
-                    conn.execute(settings)
                 call.execute(sql, params)
                 commit = conn.execute("COMMIT")
                 conn.execute(_WAKE_SQL)
@@ -116,6 +118,18 @@ def _call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> R
                 raise  # the call failed (translated), or its COMMIT's outcome is unknown
             _wake_failed(exc)
         return call.fetchone()
+
+
+def _pooled_call_then_wake(conn: Connection[Any], sql: str, params: Sequence[Any]) -> Row | None:
+    """``_call_then_wake`` behind a transaction pooler: the call, then the wake."""
+    with conn.cursor(row_factory=dict_row) as call:
+        pooler.execute(conn, call, sql, params)  # a lost connection: translated (D49)
+        row = call.fetchone()
+    try:
+        conn.execute(_WAKE_SQL)
+    except psycopg.Error as exc:
+        _wake_failed(exc)
+    return row
 
 
 def _wake_failed(exc: psycopg.Error) -> None:

@@ -10,6 +10,10 @@ while the client only sees its connection break: exactly the "COMMIT response lo
 ``freeze()`` cuts every open connection silently, as a network partition does: both
 directions are swallowed, nothing is closed; connections opened later pass.
 
+``hold_after_sync(seconds)`` holds back whatever a client sends after each Sync or simple
+Query for that long, as a busy network can: a message that follows the end of a
+transaction then reaches the server after its answer.
+
 ``arm_commit_loss(b"admit_invocation")`` does the same at the next statement whose text
 contains that marker: on an autocommit connection a statement is its own transaction and
 commits as it completes, so losing its reply is losing the answer to its COMMIT.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +32,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
+_BATCH_ENDS = (ord("S"), ord("Q"))  # a Sync, or a simple Query: the server answers now
 
 
 def _commits(kind: int, payload: bytes, marker: bytes | None) -> bool:
@@ -95,6 +101,8 @@ class _Link:
                             self.dropping.set()  # before the server can answer
                     if not self.frozen.is_set():
                         self.server.sendall(message)
+                    if not startup and message[0] in _BATCH_ENDS and self.proxy.hold_s:
+                        time.sleep(self.proxy.hold_s)
         except OSError:
             pass
         finally:
@@ -126,6 +134,7 @@ class PgProxy:
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
         self.commit_lost = threading.Event()
+        self.hold_s = 0.0
         self._armed = False
         self._marker: bytes | None = None
         self._lock = threading.Lock()
@@ -154,6 +163,10 @@ class PgProxy:
         with self._lock:
             self._armed, self._marker = True, marker
         self.commit_lost.clear()
+
+    def hold_after_sync(self, seconds: float) -> None:
+        """Forward what follows each Sync or simple Query ``seconds`` late."""
+        self.hold_s = seconds
 
     def freeze(self) -> None:
         """Swallow everything on the connections open now, without closing them."""

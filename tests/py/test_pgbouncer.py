@@ -23,12 +23,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
 from fix_invocations import admission, completion
 from fix_pgbouncer import Through, bouncers, pgbouncers  # noqa: F401  (fixtures)
 from fix_provider import MODEL, provider  # noqa: F401  (provider is a fixture)
 from fix_servers import role_dsn
+from fix_tcp_proxy import proxy_for
 from ql3 import errors, pooler
 from ql3.cache import RevisionCache
 from ql3.db import Timeouts
@@ -111,6 +113,58 @@ def test_safety_settings_hold_on_every_pooled_transaction(db_dsn: str, through: 
         with pytest.raises(errors.Unavailable, match="57014"):
             store._rows("SELECT pg_sleep(5)")
         assert time.monotonic() - started < 3.0
+
+
+def lent_servers(through: Through, db_dsn: str) -> list[dict[str, Any]]:
+    """PgBouncer's pools of the test database whose server connections are lent to a
+    client (SHOW POOLS; the admin console speaks the simple protocol only)."""
+    database = str(conninfo_to_dict(db_dsn)["dbname"])
+    admin = through(make_conninfo(db_dsn, dbname="pgbouncer", user="postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        cur = psycopg.ClientCursor(conn, row_factory=dict_row)
+        pools = cur.execute("SHOW POOLS").fetchall()
+    return [p for p in pools if p["database"] == database and p["sv_active"]]
+
+
+def test_an_idle_client_keeps_no_server_connection(
+    world: str, through: Through, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a client sends after the end of its transaction may reach PgBouncer after the
+    server's answer (here a proxy holds it back 50 ms): ql3's calls must send nothing
+    there, or PgBouncer lends the idle client a server connection until its next
+    transaction, and a few idle clients hold the whole server pool (D64: psycopg's
+    pipelines end in a Flush after the Sync)."""
+    runtime, operator = role_dsn(world, "runtime"), role_dsn(world, "operator")
+    proxy = proxy_for(through(runtime))
+    proxy.hold_after_sync(0.05)
+    caplog.set_level(logging.WARNING, logger="ql3.store")
+
+    async def async_side(run_id: str) -> None:
+        async with AsyncPgStore(proxy.dsn(through(runtime)), max_connections=1) as store:
+            step = await store.add_step_run(run_id, "model")
+            admitted = await store.admit_invocation(
+                admission(run_id, step, project=PROJECT, trace="idle-client")
+            )
+            await store.complete_invocation(completion(admitted, Outcome.SUCCEEDED))
+
+    try:
+        with (
+            PgStore(proxy.dsn(through(runtime)), max_connections=1) as store,
+            PgStore(proxy.dsn(through(operator)), max_connections=1) as ops,
+        ):
+            run_id = store.create_run(PROJECT, "idle-client")
+            step = store.add_step_run(run_id, "model")
+            store.admit_invocation(admission(run_id, step, project=PROJECT, trace="idle-client"))
+            revision = ops.put_revision(PROJECT, "policy_routing", READ_CONTRACT, {"n": 1}, "t")
+            ops.activate_revision(  # the call, then its wake (D25)
+                PROJECT, "policy_routing", READ_CONTRACT, revision["revision_id"], "t"
+            )
+            asyncio.run(async_side(run_id))
+            time.sleep(0.3)  # whatever was held back has arrived
+            assert lent_servers(through, world) == []
+    finally:
+        proxy.close()
+    assert "wake_relays failed" not in caplog.text
 
 
 def test_the_relay_notices_that_listen_does_not_deliver_through_the_pooler(
@@ -302,8 +356,12 @@ def test_everything_at_once_through_the_pooler(
 
         try:
             await relay.wait_ready(15.0)
-            await asyncio.gather(*(reader() for _ in range(THREADS)),
-                                 *(caller(w) for w in range(THREADS)))  # fmt: skip
+            # A task group: when one fails, the others are cancelled and awaited before the
+            # store, cache and gateway close under them.
+            async with asyncio.TaskGroup() as group:
+                for w in range(THREADS):
+                    group.create_task(reader())
+                    group.create_task(caller(w))
             deadline = time.monotonic() + 15.0
             while query(
                 db_dsn, "SELECT count(*) AS n FROM ql3.contract_outbox WHERE delivered_at IS NULL"

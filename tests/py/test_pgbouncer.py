@@ -139,13 +139,15 @@ def test_an_idle_client_keeps_no_server_connection(
     proxy.hold_after_sync(0.05)
     caplog.set_level(logging.WARNING, logger="ql3.store")
 
-    async def async_side(run_id: str) -> None:
+    async def async_side_then_look(run_id: str) -> list[dict[str, Any]]:
         async with AsyncPgStore(proxy.dsn(through(runtime)), max_connections=1) as store:
             step = await store.add_step_run(run_id, "model")
             admitted = await store.admit_invocation(
                 admission(run_id, step, project=PROJECT, trace="idle-client")
             )
             await store.complete_invocation(completion(admitted, Outcome.SUCCEEDED))
+            await asyncio.sleep(0.3)  # whatever was held back has arrived
+            return lent_servers(through, world)  # every store still open, and idle
 
     try:
         with (
@@ -159,9 +161,7 @@ def test_an_idle_client_keeps_no_server_connection(
             ops.activate_revision(  # the call, then its wake (D25)
                 PROJECT, "policy_routing", READ_CONTRACT, revision["revision_id"], "t"
             )
-            asyncio.run(async_side(run_id))
-            time.sleep(0.3)  # whatever was held back has arrived
-            assert lent_servers(through, world) == []
+            assert asyncio.run(async_side_then_look(run_id)) == []
     finally:
         proxy.close()
     assert "wake_relays failed" not in caplog.text

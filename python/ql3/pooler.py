@@ -282,17 +282,32 @@ def local_settings(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any])
     return getattr(conn, "local_settings", None)
 
 
+def _one_message(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], sql: str, params: Any
+) -> str | None:
+    """The settings and the call as one Query message on a connection that carries its
+    settings per transaction (module doc); None on any other."""
+    settings = local_settings(conn)
+    if settings is None:
+        return None
+    if isinstance(conn, psycopg.AsyncConnection):
+        call = psycopg.AsyncClientCursor(conn).mogrify(sql, params)
+    else:
+        call = psycopg.ClientCursor(conn).mogrify(sql, params)
+    return f"{settings}; {call}"
+
+
 def execute(
     conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], sql: str, params: Any = ()
 ) -> None:
     """``cur.execute(sql, params)``; on a connection that carries its settings per
-    transaction, the settings and the call in one Query message (module doc), the cursor
-    on the call's result."""
-    settings = local_settings(conn)
-    if settings is None:
+    transaction, the settings and the call in one Query message, the cursor on the call's
+    result."""
+    message = _one_message(conn, sql, params)
+    if message is None:
         cur.execute(sql, params)
         return
-    cur.execute(f"{settings}; {psycopg.ClientCursor(conn).mogrify(sql, params)}")
+    cur.execute(message)
     cur.nextset()
 
 
@@ -300,9 +315,9 @@ async def execute_async(
     conn: psycopg.AsyncConnection[Any], cur: psycopg.AsyncCursor[Any], sql: str, params: Any = ()
 ) -> None:
     """The asyncio twin of ``execute``."""
-    settings = local_settings(conn)
-    if settings is None:
+    message = _one_message(conn, sql, params)
+    if message is None:
         await cur.execute(sql, params)
         return
-    await cur.execute(f"{settings}; {psycopg.AsyncClientCursor(conn).mogrify(sql, params)}")
+    await cur.execute(message)
     cur.nextset()

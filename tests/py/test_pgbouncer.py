@@ -167,6 +167,38 @@ def test_an_idle_client_keeps_no_server_connection(
     assert "wake_relays failed" not in caplog.text
 
 
+def test_an_outbox_write_behind_the_pooler_commits_before_its_wake(
+    world: str, through: Through, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind the pooler the call and its wake are two messages (D64): a call that fails
+    raises its own error and writes nothing; a wake that fails is logged, and the committed
+    activation is returned."""
+    caplog.set_level(logging.WARNING, logger="ql3.store")
+    events = "SELECT count(*) AS n FROM ql3.contract_outbox WHERE project_id = %s"
+    with PgStore(through(role_dsn(world, "operator")), max_connections=1) as ops:
+        r1, r2 = (
+            str(ops.put_revision(PROJECT, "policy_routing", READ_CONTRACT, {"n": n}, "t")
+                ["revision_id"])
+            for n in (1, 2)
+        )  # fmt: skip
+        ops.activate_revision(PROJECT, "policy_routing", READ_CONTRACT, r1, "t")
+        before = query(world, events, PROJECT)
+        with pytest.raises(errors.Conflict, match="expected active revision"):
+            ops.activate_revision(PROJECT, "policy_routing", READ_CONTRACT, r2, "t", r2)
+        assert query(world, events, PROJECT) == before
+        assert ops.active_revision(PROJECT, "policy_routing", READ_CONTRACT)["revision_id"] == r1  # type: ignore[index]
+        assert "wake_relays failed" not in caplog.text
+        with psycopg.connect(world, autocommit=True) as admin:
+            admin.execute("REVOKE EXECUTE ON FUNCTION ql3.wake_relays() FROM ql3_operator")
+            try:
+                event = ops.activate_revision(PROJECT, "policy_routing", READ_CONTRACT, r2, "t")
+            finally:
+                admin.execute("GRANT EXECUTE ON FUNCTION ql3.wake_relays() TO ql3_operator")
+    assert event is not None and str(event["new_revision_id"]) == r2
+    assert query(world, events, PROJECT) == [{"n": before[0]["n"] + 1}]
+    assert "wake_relays failed after COMMIT" in caplog.text
+
+
 def test_the_relay_notices_that_listen_does_not_deliver_through_the_pooler(
     db_dsn: str,
     redis_url: str,

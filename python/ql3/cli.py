@@ -53,8 +53,8 @@ COMMANDS: dict[str, CommandModule] = {
     # These import no driver: --sqlite runs on a bare install; --dsn imports it (D58).
     "ql3.invocations_cli": CommandModule(("invocations", "resolve", "usage")),
     "ql3.recovery": CommandModule(("recover",)),
-    "ql3.verify": CommandModule(("verify",), POSTGRES_DRIVERS),
     "ql3.prune": CommandModule(("prune",)),
+    "ql3.verify": CommandModule(("verify",), POSTGRES_DRIVERS),
 }
 """Modules that contribute subcommands; one whose extra this install lacks is left out."""
 

@@ -1,12 +1,14 @@
-"""``ql3 prune``: remove delivered contract outbox rows older than a retention (D55).
+"""``ql3 prune``: remove delivered contract outbox rows older than a retention (D55, D65).
 
-Each batch is one ``ql3.prune_outbox(delivered_before, batch)`` call, its own transaction:
-it deletes at most ``batch`` delivered rows whose ``delivered_at`` is older than
-``now() - delivered_before``, oldest seq first. It never removes an undelivered row, nor a
-pointer's newest row (``ql3 verify`` checks each pointer against it), and it skips rows a
-relay holds (``FOR UPDATE SKIP LOCKED``): a prune neither waits on a relay nor changes
-its claim order. Batches repeat until one removes fewer than ``batch`` rows; the total is
-printed as JSON. The ledgers (receipts, usage, run events, mutations) are never pruned.
+Each batch is one ``prune_outbox(delivered_before, batch)`` call, its own transaction: it
+deletes at most ``batch`` delivered rows whose ``delivered_at`` is older than
+``now - delivered_before``, oldest seq first. It never removes an undelivered row, nor a
+pointer's newest row (``ql3 verify`` checks each pointer against it). On PostgreSQL
+(``ql3.prune_outbox``) it skips rows a relay holds (``FOR UPDATE SKIP LOCKED``): a prune
+neither waits on a relay nor changes its claim order. With ``--sqlite`` it prunes an edge
+device's file the same way (D65). Batches repeat until one removes fewer than ``batch``
+rows; the total is printed as JSON. The ledgers (receipts, usage, run events, mutations)
+are never pruned.
 
 After a prune, take a new ``ql3 verify`` snapshot: the removed rows are missing from the
 old one (D50).
@@ -19,35 +21,22 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ql3 import arguments, errors
-from ql3.cli import dsn_from_env, needs_postgres, print_json
+from ql3.cli import add_dsn_or_sqlite, dsn_from_env, needs_postgres, print_json
 
 if TYPE_CHECKING:  # imported on use: ``ql3.recovery`` imports this module on a bare install
+    from ql3.edge import EdgeStore
     from ql3.store import PgStore
 
 #: The SQL function's bounds of one batch.
-MAX_BATCH = 100_000
+MAX_BATCH = arguments.PRUNE_MAX_BATCH
 DEFAULT_BATCH = 10_000
-#: ``ql3 prune``'s bound on one batch (one DELETE of up to ``batch`` rows).
+#: ``ql3 prune``'s bound on one batch (one DELETE of up to ``batch`` rows); with
+#: ``--sqlite``, how long a batch waits for the file's write lock.
 DEFAULT_STATEMENT_TIMEOUT_SECONDS = 60.0
 
 
-def prune_batch(store: PgStore, delivered_before: timedelta, batch: int) -> int:
-    """One ``ql3.prune_outbox`` call (one transaction): how many rows it removed."""
-    arguments.check_count("batch", batch, 1, MAX_BATCH)
-    if delivered_before < timedelta(0):
-        raise errors.InvalidArgument(
-            "QL3_INVALID_ARGUMENT: delivered_before must be a non-negative interval"
-        )
-    from ql3 import pooler  # a PgStore is open: its driver is installed
-
-    with store.connection() as conn, conn.cursor() as cur:
-        pooler.execute(conn, cur, "SELECT ql3.prune_outbox(%s, %s)", (delivered_before, batch))
-        found = cur.fetchone()
-    return 0 if found is None else int(found[0])
-
-
 def prune(
-    store: PgStore,
+    store: PgStore | EdgeStore,
     delivered_before: timedelta,
     batch: int = DEFAULT_BATCH,
     *,
@@ -58,7 +47,7 @@ def prune(
     total = 0
     done = 0
     while True:
-        removed = prune_batch(store, delivered_before, batch)
+        removed = store.prune_outbox(delivered_before, batch)
         total += removed
         done += 1
         if removed < batch or (max_batches is not None and done >= max_batches):
@@ -67,7 +56,8 @@ def prune(
 
 def command(args: argparse.Namespace) -> int:
     """``ql3 prune``: prune the outbox, print ``{"removed": n}``."""
-    dsn = dsn_from_env(args.dsn, "ql3 prune")
+    where = "ql3 prune on PostgreSQL"
+    dsn = None if args.sqlite is not None else dsn_from_env(args.dsn, where, sqlite=True)
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     if not 1 <= batch <= MAX_BATCH:
         raise errors.Misconfigured(f"QL3_INVALID_ARGUMENT: --batch must be 1..{MAX_BATCH}")
@@ -75,11 +65,19 @@ def command(args: argparse.Namespace) -> int:
         arguments.check_seconds("statement_timeout", args.statement_timeout, most=86400.0)
     except errors.InvalidArgument as exc:
         raise errors.Misconfigured(exc.message) from None
-    with needs_postgres("ql3 prune"):
-        from ql3.db import Timeouts
-        from ql3.store import PgStore
-    timeouts = Timeouts(statement_ms=max(1, round(args.statement_timeout * 1000)))
-    with PgStore.checked(dsn, max_connections=1, timeouts=timeouts) as store:
+    timeout_ms = max(1, round(args.statement_timeout * 1000))
+    store: PgStore | EdgeStore
+    if dsn is None:
+        from ql3.edge import EdgeStore
+
+        store = EdgeStore.checked(args.sqlite, busy_timeout_ms=timeout_ms)
+    else:
+        with needs_postgres(where, sqlite=True):
+            from ql3.db import Timeouts
+            from ql3.store import PgStore
+        timeouts = Timeouts(statement_ms=timeout_ms)
+        store = PgStore.checked(dsn, max_connections=1, timeouts=timeouts)
+    with store:
         removed = prune(store, args.delivered_before, batch)
     print_json(
         {"removed": removed, "delivered_before_seconds": args.delivered_before.total_seconds()}
@@ -96,7 +94,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = parser.add_argument
-    a("--dsn", help="PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)")
+    add_dsn_or_sqlite(parser, "PostgreSQL conninfo of a ql3_operator member (default: $QL3_DSN)")
     a(
         "--delivered-before",
         type=arguments.duration_type,
@@ -108,8 +106,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--statement-timeout",
         type=float,
         default=DEFAULT_STATEMENT_TIMEOUT_SECONDS,
-        help="seconds one batch may run in the database "
-        f"(default {DEFAULT_STATEMENT_TIMEOUT_SECONDS:g})",
+        help="seconds one batch may run in the database; with --sqlite, how long it waits "
+        f"for the file's write lock (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS:g})",
     )
     parser.set_defaults(func=command)
     return parser

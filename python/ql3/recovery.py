@@ -17,8 +17,8 @@ re-invokes a model; every recovered invocation waits for a human resolution
   ``interval + statement_timeout + health_margin``.
 - ``--outbox-retention 7d`` (``QL3_OUTBOX_RETENTION``): the loop also prunes delivered
   outbox rows older than that, a round of bounded batches at most once per
-  ``prune_interval`` (``ql3.prune`` and D55); a failed round is logged, counted, and
-  leaves recovery alone.
+  ``prune_interval`` (``ql3.prune`` and D55; on an edge device's file too, D65); a failed
+  round is logged, counted, and leaves recovery alone.
 
 On an install without prometheus-client (``pip install ql3``, ``--sqlite``) the loop runs
 all the same: ``/healthz`` is served and ``/metrics`` answers 501, said once in the log
@@ -148,12 +148,6 @@ class RecoveryConfig:
 # read with one bounded query per round (``unresolved_by_project``).
 UNRESOLVED_PROJECTS_LIMIT = 100
 
-EDGE_RETENTION_REFUSED = (
-    "QL3_INVALID_ARGUMENT: --outbox-retention (QL3_OUTBOX_RETENTION) prunes PostgreSQL's "
-    "outbox; an edge file's outbox is not pruned by ql3 recover (D58)"
-)
-
-
 NO_PROMETHEUS = (
     "prometheus-client is not installed: /metrics answers 501, /healthz is served "
     "(pip install prometheus-client, or 'ql3[relay]')"
@@ -282,7 +276,7 @@ class RecoveryLoop:
 
     Pass a ``PgStore`` or an ``EdgeStore`` (kept open) or a conninfo (a one-connection
     ``PgStore``, closed when ``run`` returns). Every call goes through the store
-    interface; only the outbox prune is PostgreSQL's (D58). In-process use: ``start()``
+    interface, the outbox prune included (D65). In-process use: ``start()``
     runs it in a thread, ``stop()`` ends it; ``wait_until`` waits for a condition on its
     counters without sleeping blindly. Its series go to ``registry`` (a new one by
     default); without prometheus-client there is none, and the loop runs all the same
@@ -297,8 +291,6 @@ class RecoveryLoop:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config or RecoveryConfig()
-        if isinstance(store, EdgeStore) and self.config.outbox_retention is not None:
-            raise errors.Misconfigured(EDGE_RETENTION_REFUSED)
         self._store_arg = store
         self._registry = registry if registry is not None else new_registry()
         self.metrics = RecoveryMetrics(self._registry)
@@ -491,12 +483,8 @@ class RecoveryLoop:
         and counted, and recovery goes on (D55). Returns the rows removed."""
         retention = self.config.outbox_retention
         now = time.monotonic()
-        if (
-            retention is None
-            or isinstance(store, EdgeStore)  # refused at __init__ (D58)
-            or (
-                self._last_prune is not None and now - self._last_prune < self.config.prune_interval
-            )
+        if retention is None or (
+            self._last_prune is not None and now - self._last_prune < self.config.prune_interval
         ):
             return 0
         self._last_prune = now
@@ -741,8 +729,6 @@ def serve(store: Store | str, config: RecoveryConfig) -> int:
 def edge_store(path: str, config: RecoveryConfig) -> EdgeStore:
     """The ``EdgeStore`` of ``--sqlite``: an existing, migrated file (``EdgeStore.checked``);
     ``statement_timeout`` bounds its busy wait, as it bounds a batch on PostgreSQL (D58)."""
-    if config.outbox_retention is not None:
-        raise errors.Misconfigured(EDGE_RETENTION_REFUSED)
     busy_ms = max(1, round(config.statement_timeout * 1000))
     return EdgeStore.checked(path, busy_timeout_ms=busy_ms)
 
@@ -820,7 +806,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--outbox-retention",
         type=arguments.duration_type,
         help="with --loop: prune delivered outbox rows older than this (7d, 12h; default: "
-        "$QL3_OUTBOX_RETENTION, else never; D55); PostgreSQL only, refused with --sqlite",
+        "$QL3_OUTBOX_RETENTION, else never; D55, D65)",
     )
     a(
         "--outbox-prune-batch",

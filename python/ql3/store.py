@@ -316,6 +316,13 @@ class PgStore:
         assert row is not None
         return row
 
+    def prune_outbox(self, delivered_before: timedelta, batch: int) -> int:
+        """``ql3.prune_outbox`` (D55), one transaction: removes at most ``batch`` delivered
+        outbox rows delivered more than ``delivered_before`` ago, oldest first, never an
+        undelivered row or a pointer's newest; how many it removed."""
+        arguments.check_prune(delivered_before, batch)
+        return int(self._value("SELECT ql3.prune_outbox(%s, %s)", (delivered_before, batch)))
+
     # -- runs and steps -------------------------------------------------------------------
 
     def create_run(self, project_id: str, trace_id: str, run_id: str | None = None) -> str:

@@ -36,6 +36,7 @@ from ql3.edge.schema import file_journal_mode
 from ql3.invocations import Outcome, Usage
 from ql3.recovery import RecoveryConfig, RecoveryLoop
 from ql3.store import PgStore
+from test_conformance import deliver_aged, outbox_seqs
 from test_invocations_cli import fetch, recover_loop
 
 # ``recover --loop`` run in process configures the root logger: each test restores it, so
@@ -360,6 +361,7 @@ EDGE_COMMANDS = [
     ["invocations", "show", "inv-1"],
     ["resolve", "inv-1", "--decision", "fail", "--user", "alice"],
     ["usage", "--project", "proj"],
+    ["prune", "--delivered-before", "7d"],
 ]
 
 
@@ -402,17 +404,65 @@ def test_dsn_and_sqlite_are_mutually_exclusive(
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_recover_on_sqlite_refuses_outbox_retention(
+def flipped_and_aged(store: Store, contract: str = "retained") -> list[int]:
+    """Five activations of one contract (pointer versions 1..5), all delivered two days ago:
+    the first four prunable, the fifth the pointer's newest row; their seqs."""
+    revisions = [
+        store.put_revision("proj", "policy_routing", contract, {"n": n}, "ops")["revision_id"]
+        for n in range(2)
+    ]
+    seqs = []
+    for i in range(5):
+        row = store.activate_revision("proj", "policy_routing", contract, revisions[i % 2], "ops")
+        assert row is not None
+        seqs.append(int(row["seq"]))
+    deliver_aged(store, seqs, 2 * DAY)
+    return seqs
+
+
+def test_prune_removes_the_same_rows_on_every_store(
+    capsys: pytest.CaptureFixture[str], cli_stores: dict[str, Store]
+) -> None:
+    """``ql3 prune`` on PostgreSQL and with ``--sqlite`` (D65): the same batches, the same
+    rows removed, the same JSON."""
+    outputs = {}
+    for kind, store in cli_stores.items():
+        seqs = flipped_and_aged(store)
+        code, out, err = ql3_json(
+            capsys, "prune", *target(store), "--delivered-before", "1d", "--batch", "2"
+        )
+        assert code == 0, err
+        outputs[kind] = out
+        assert outbox_seqs(store) == seqs[4:]
+    expected = {"removed": 4, "delivered_before_seconds": 86400.0}
+    assert outputs == {kind: expected for kind in cli_stores}
+
+
+def test_the_recovery_loop_prunes_an_edge_file(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_edge_store("edge-wal", tmp_path).close()
-    path = str(tmp_path / "ql3-wal.db")
-    for argv in (["recover", "--loop", "--outbox-retention", "7d"], ["recover"]):
-        monkeypatch.setenv("QL3_OUTBOX_RETENTION", "7d")
-        code, _, err = ql3(capsys, *argv, "--sqlite", path)
-        assert code == 2 and "prunes PostgreSQL's outbox" in err, err
-    with EdgeStore(path) as edge, pytest.raises(Exception, match="D58"):
-        RecoveryLoop(edge, RecoveryConfig(outbox_retention=60))
+    """``--outbox-retention`` with ``--sqlite`` (D65): the loop prunes the file's outbox on
+    its schedule, counts the rows and logs them, as it does on PostgreSQL."""
+    with make_edge_store("edge-wal", tmp_path) as edge:
+        seqs = flipped_and_aged(edge)
+        config = RecoveryConfig(
+            interval=0.05, outbox_retention=86400.0, prune_batch=1, prune_interval=3600.0
+        )
+        loop = RecoveryLoop(edge, config, registry=CollectorRegistry())
+        loop.start()
+        try:
+            loop.wait_until(lambda lp: lp.pruned >= 4 and lp.batches >= 2)
+        finally:
+            loop.stop()
+        assert loop.pruned == 4
+        assert outbox_seqs(edge) == seqs[4:]
+        assert loop.registry.get_sample_value("ql3_outbox_pruned_total") == 4
+        assert loop.registry.get_sample_value("ql3_outbox_prune_errors_total") == 0
+    monkeypatch.setenv("QL3_OUTBOX_RETENTION", "7d")
+    config = recovery.config_from_args(
+        cli.build_parser().parse_args(["recover", "--loop", "--sqlite", "edge.db"])
+    )
+    assert config.outbox_retention == 7 * 86400.0
 
 
 # -- the recovery daemon on an edge file -------------------------------------------------------
@@ -493,7 +543,8 @@ def test_without_the_drivers_the_edge_commands_run(tmp_path: Path) -> None:
     path = str(tmp_path / "ql3-wal.db")
     for argv in (["recover", "--grace", "0"], ["invocations", "list", "--unresolved", "--json"],
                  ["invocations", "show", "inv-x"], ["usage", "--project", "proj"],
-                 ["resolve", "inv-x", "--decision", "fail", "--user", "u"]):  # fmt: skip
+                 ["resolve", "inv-x", "--decision", "fail", "--user", "u"],
+                 ["prune", "--delivered-before", "1d"]):  # fmt: skip
         done = bare_ql3(*argv, "--sqlite", path)
         assert done.returncode == 0, (argv, done.stderr)
         assert "Traceback" not in done.stderr

@@ -53,6 +53,7 @@ TOOL = "bbbbbbbb-0000-0000-0000-0000000000ff"
 R2_STEP = "bbbbbbbb-0000-0000-0000-000000000021"
 FAR = "2999-01-01T00:00:00.000000Z"
 T_PAST = "2000-01-01T00:00:00.000000Z"
+DAY = timedelta(days=1)
 
 Store = Any
 """A PgStore or an EdgeStore: the tests call only what both offer."""
@@ -849,6 +850,82 @@ def test_contract_lifecycle_gives_the_same_versions_and_events(store: Store) -> 
     assert a1["seq"] < a2["seq"] < v1["seq"]
     backlog = store.outbox_backlog()
     assert (backlog["undelivered"], backlog["max_seq"]) == (4, v1["seq"])
+
+
+def deliver_aged(store: Store, seqs: list[int], age: timedelta) -> None:
+    """Mark outbox rows delivered through the relay's procedure, then move their
+    ``delivered_at`` back by ``age`` (as the database's owner: the delivery columns are the
+    ones the outbox lets change)."""
+    if isinstance(store, EdgeStore):
+        assert store.mark_outbox_delivered(seqs) == len(seqs)
+        when = format_timestamp(datetime.now(UTC) - age)
+        with contextlib.closing(sqlite3.connect(store.path)) as conn, conn:
+            conn.executemany(
+                "UPDATE contract_outbox SET delivered_at = ? WHERE seq = ?",
+                [(when, seq) for seq in seqs],
+            )
+        return
+    with store.pool.connection() as conn:
+        conn.execute("SELECT ql3.mark_outbox_delivered(%s::bigint[])", (seqs,))
+        conn.execute(
+            "UPDATE ql3.contract_outbox SET delivered_at = now() - %s WHERE seq = ANY(%s)",
+            (age, seqs),
+        )
+
+
+def outbox_seqs(store: Store) -> list[int]:
+    return [int(row[0]) for row in query(store, "SELECT seq FROM {ql3}contract_outbox ORDER BY 1")]
+
+
+def test_prune_removes_the_same_outbox_rows_on_every_store(store: Store) -> None:
+    """``prune_outbox`` (D55; the shim's, D65): delivered rows delivered before the cut-off,
+    oldest first, at most a batch; never an undelivered row, never a row at its pointer's
+    version; a refused call removes nothing."""
+
+    def put(contract: str, n: int) -> str:
+        return str(store.put_revision("p", FAMILY, contract, {"n": n}, "ops")["revision_id"])
+
+    def activate(contract: str, revision_id: str) -> int:
+        row = store.activate_revision("p", FAMILY, contract, revision_id, "ops")
+        assert row is not None
+        return int(row["seq"])
+
+    flip = [put("a", 0), put("a", 1)]
+    a1, a2, a3, a4 = (activate("a", flip[i % 2]) for i in range(4))  # pointer versions 1..4
+    b1 = activate("b", put("b", 0))
+    revoked = store.revoke_revision(flip[0], "ops", "not active: repeats version 4")
+    assert revoked is not None and revoked["pointer_version"] == 4
+    r = int(revoked["seq"])
+    deliver_aged(store, [a1, a2, a3, b1, r], 2 * DAY)
+
+    before = footprint(store)
+    for delivered_before, batch in [
+        (timedelta(seconds=-1), 10),
+        (DAY, 0),
+        (DAY, 100_001),
+        (DAY, True),
+        (DAY, 10.0),
+        (86400, 10),
+        (timedelta(days=36501), 10),
+    ]:
+        with pytest.raises(errors.InvalidArgument, match=r"^QL3_INVALID_ARGUMENT: "):
+            store.prune_outbox(delivered_before, batch)
+    assert footprint(store) == before
+
+    assert store.prune_outbox(3 * DAY, 100) == 0
+    assert store.prune_outbox(DAY, 1) == 1
+    assert outbox_seqs(store) == [a2, a3, a4, b1, r]
+    assert store.prune_outbox(DAY, 100) == 2
+    assert outbox_seqs(store) == [a4, b1, r]  # undelivered; b's newest; at a's version
+
+    deliver_aged(store, [a4], 2 * DAY)
+    assert store.prune_outbox(DAY, 100) == 0  # a4 and r are at the pointer's version
+    a5 = activate("a", put("a", 2))
+    deliver_aged(store, [a5], 2 * DAY)
+    assert store.prune_outbox(timedelta(0), 100_000) == 2
+    assert outbox_seqs(store) == [b1, a5]
+    backlog = store.outbox_backlog()
+    assert (backlog["undelivered"], backlog["max_seq"]) == (0, a5)
 
 
 # -- one test, three stores, pinned clocks: byte-identical records -------------------------

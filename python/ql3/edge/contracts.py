@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from ql3 import canonical, errors
-from ql3.arguments import check_text_args
+from ql3.arguments import check_prune, check_text_args
 from ql3.edge.checks import check_identifier, checked_digest, invalid, json_type
-from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain, uuid_v7
+from ql3.edge.db import Row, Tx, new_uuid, parse_utc, plain, utc_text, uuid_v7
 
 BODY_DOMAIN = canonical.BODY_DOMAIN
 
@@ -278,6 +278,28 @@ def mark_outbox_failed(tx: Tx, seqs: Sequence[int], error: str | None) -> int:
             (message, int(seq)),
         )
     return changed
+
+
+def prune_outbox(tx: Tx, delivered_before: object, batch: object) -> int:
+    """``ql3.prune_outbox`` (D55, D65): removes at most ``batch`` delivered rows delivered
+    before ``now - delivered_before``, oldest seq first, each only while its pointer_version
+    is below its pointer's (so each pointer's newest row stays); how many. One writer at a
+    time: no relay can hold a row meanwhile, so there is nothing to skip."""
+    retention, limit = check_prune(delivered_before, batch)
+    try:
+        cutoff = tx.now - retention
+    except OverflowError:  # before year 1 (a pinned clock): nothing was delivered then
+        return 0
+    return tx.run(
+        "DELETE FROM contract_outbox WHERE seq IN ("
+        " SELECT o.seq FROM contract_outbox AS o JOIN active_revisions AS a"
+        " ON a.project_id = o.project_id AND a.contract_family = o.contract_family"
+        " AND a.contract_id = o.contract_id"
+        " WHERE o.delivered_at IS NOT NULL AND o.delivered_at < ?"
+        " AND o.pointer_version < a.pointer_version"
+        " ORDER BY o.seq LIMIT ?)",
+        (utc_text(cutoff), limit),
+    )
 
 
 def outbox_backlog(tx: Tx) -> Row:

@@ -250,6 +250,13 @@ class EdgeStore:
         with self._db.write("mark_outbox_failed") as tx:
             return contracts.mark_outbox_failed(tx, seqs, error)
 
+    def prune_outbox(self, delivered_before: timedelta, batch: int) -> int:
+        """``ql3.prune_outbox`` (D55, D65), one transaction: removes at most ``batch``
+        delivered outbox rows delivered more than ``delivered_before`` ago, oldest first,
+        never an undelivered row or a pointer's newest; how many it removed."""
+        with self._db.write("prune_outbox") as tx:
+            return contracts.prune_outbox(tx, delivered_before, batch)
+
     def outbox_backlog(self) -> Row:
         """Undelivered outbox rows, oldest age in seconds, highest seq."""
         with self._db.read() as tx:

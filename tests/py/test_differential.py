@@ -527,6 +527,11 @@ times = st.one_of(
         values,
     ),
     some_id=values,
+    retention=st.one_of(
+        st.sampled_from([timedelta(0), timedelta(microseconds=-1), timedelta(days=36500),
+                         timedelta(days=36500, microseconds=1), timedelta.max, timedelta.min]),
+        st.timedeltas(), values,
+    ),
 )  # fmt: skip
 def test_reads_and_operator_calls(
     pair: Pair,
@@ -537,6 +542,7 @@ def test_reads_and_operator_calls(
     until: Any,
     keys: Any,
     some_id: Any,
+    retention: Any,
 ) -> None:
     # recover_expired reports what it settled; nothing here has expired, so it is a count 0
     pair.both(lambda s: s.recover_expired(limit, grace))
@@ -546,6 +552,8 @@ def test_reads_and_operator_calls(
     pair.both(lambda s: s.step_run(some_id))
     pair.both(lambda s: s.run(some_id))
     pair.both(lambda s: _without_ids(s.activate_revision("proj", FAMILY, "router", some_id, "ops")))
+    # nothing was delivered, so a prune that is not refused removes nothing (D65)
+    pair.both(lambda s: s.prune_outbox(retention, limit))
 
 
 @SETTINGS

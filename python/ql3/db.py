@@ -160,8 +160,13 @@ def pool_state(pool: AnyPool) -> str:
         f"pool {pool.name}: {stats['pool_size']} of at most {pool.max_size} connections, "
         f"{stats['pool_available']} idle, {stats.get('requests_waiting', 0)} requests waiting"
     )
-    conninfo = pool.conninfo if isinstance(pool.conninfo, str) else None  # not a callable
-    why = None if conninfo is None else pooler.recent_connect_failure(conninfo, 60.0)
+    # ql3's connection classes record their failures by conninfo; a pool of the caller's
+    # own (another class, or a conninfo callable) is not followed, so nothing is claimed.
+    if not isinstance(pool.conninfo, str) or not issubclass(
+        pool.connection_class, (pooler.Connection, pooler.AsyncConnection)
+    ):
+        return f"{state}; ql3 does not follow this pool's connection attempts (a pool of your own)"
+    why = pooler.recent_connect_failure(pool.conninfo, 60.0)
     if why is None:
         return f"{state}; no connection attempt failed in the last minute"
     return f"{state}; the last connection attempt failed: {why}"

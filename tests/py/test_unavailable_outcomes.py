@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import ConnectionPool
 
 from fix_provider import provider  # noqa: F401  (a fixture of the world fixture)
 from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
@@ -103,6 +104,28 @@ def test_a_full_asyncio_pool_says_so_too(db_dsn: str) -> None:
         return str(caught.value)
 
     assert_says_the_pool_is_full(asyncio.run(asyncio.wait_for(timed_out(), 30.0)))
+
+
+@pytest.mark.parametrize("conninfo", ["text", "callable"])
+def test_a_pool_of_your_own_is_not_said_to_have_had_no_failure(db_dsn: str, conninfo: str) -> None:
+    """ql3 follows the connection attempts of its own connection classes only: a pool the
+    caller made (psycopg's class, or a conninfo callable) times out without the claim
+    that no attempt failed, which ql3 could not know."""
+    refused_elsewhere(db_dsn)
+    info: Any = db_dsn if conninfo == "text" else (lambda: db_dsn)
+    with (
+        ConnectionPool(
+            info, min_size=1, max_size=1, timeout=1, kwargs={"autocommit": True}, name="own"
+        ) as pool,
+        PgStore(pool) as store,
+        store.connection(),
+        pytest.raises(errors.NotSent) as caught,
+    ):
+        store._rows("SELECT 1")
+    message = str(caught.value)
+    assert "pool own: 1 of at most 1 connections, 0 idle" in message, message
+    assert "does not follow this pool's connection attempts" in message, message
+    assert "no connection attempt failed" not in message, message
 
 
 def test_a_connection_opened_ends_its_conninfos_last_failure(db_dsn: str) -> None:

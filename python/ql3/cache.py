@@ -62,7 +62,7 @@ from ql3 import arguments, cache_metrics, canonical, errors, redis_links
 from ql3.db import CALL_MARGIN_S, translate
 from ql3.db_guard import bounded_async
 from ql3.logs import backoff_delay
-from ql3.pooler import prepare_threshold
+from ql3.pooler import AsyncConnection, prepare_threshold
 from ql3.redis_links import AnyRedis
 from ql3.relay import (
     DEFAULT_CHANNEL_PREFIX,
@@ -261,6 +261,7 @@ class RevisionCache:
         if isinstance(conninfo_or_pool, str):
             self._pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
                 conninfo_or_pool,
+                connection_class=AsyncConnection,  # its failures name its pool's timeout
                 min_size=1,
                 max_size=4,
                 open=False,

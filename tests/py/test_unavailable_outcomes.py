@@ -17,6 +17,7 @@ from psycopg_pool import ConnectionPool
 from fix_provider import provider  # noqa: F401  (a fixture of the world fixture)
 from fix_tcp_proxy import PgProxy, pg_proxy  # noqa: F401  (pg_proxy is a fixture)
 from ql3 import errors, pooler
+from ql3.cache import RevisionCache
 from ql3.db import Timeouts, translate
 from ql3.gateway import ModelAuditUnavailable
 from ql3.store import PgStore
@@ -126,6 +127,24 @@ def test_a_pool_of_your_own_is_not_said_to_have_had_no_failure(db_dsn: str, conn
     assert "pool own: 1 of at most 1 connections, 0 idle" in message, message
     assert "does not follow this pool's connection attempts" in message, message
     assert "no connection attempt failed" not in message, message
+
+
+def test_the_revision_caches_pool_names_its_own_failed_attempt(db_dsn: str) -> None:
+    """The cache's own pool opens ql3's connections, so its timeout says why they failed."""
+
+    async def message() -> str:
+        cache = RevisionCache(closed_port_dsn(db_dsn), "redis://127.0.0.1:1", db_timeout=1)
+        await cache._pool.open()
+        try:
+            with pytest.raises(errors.Unavailable) as caught:
+                await cache._fetch("SELECT 1 AS one", ())
+        finally:
+            await cache._pool.close()
+        return str(caught.value)
+
+    text = asyncio.run(asyncio.wait_for(message(), 30.0))
+    assert "pool " in text and "the last connection attempt failed:" in text, text
+    assert "refused" in text, text
 
 
 def test_a_connection_opened_ends_its_conninfos_last_failure(db_dsn: str) -> None:

@@ -12,6 +12,7 @@ recovery daemon on an edge file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -436,6 +437,28 @@ def test_prune_removes_the_same_rows_on_every_store(
         assert outbox_seqs(store) == seqs[4:]
     expected = {"removed": 4, "delivered_before_seconds": 86400.0}
     assert outputs == {kind: expected for kind in cli_stores}
+
+
+def test_prune_on_a_busy_file_waits_its_statement_timeout_and_removes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """With ``--sqlite``, ``--statement-timeout`` bounds the wait for the file's write lock:
+    a file another process holds is ``QL3_UNAVAILABLE`` (exit 1) after it, nothing removed."""
+    with make_edge_store("edge-wal", tmp_path) as edge:
+        seqs = flipped_and_aged(edge)
+    path = str(tmp_path / "ql3-wal.db")
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        code, out, err = ql3(capsys, "prune", "--sqlite", path, "--delivered-before", "1d",
+                             "--statement-timeout", "0.5")  # fmt: skip
+        waited = time.monotonic() - started
+        other.execute("ROLLBACK")
+    assert (code, out) == (1, ""), err
+    assert "QL3_UNAVAILABLE" in err, err
+    assert 0.4 <= waited < 10, waited
+    with EdgeStore(path) as edge:
+        assert outbox_seqs(edge) == seqs
 
 
 def test_the_recovery_loop_prunes_an_edge_file(

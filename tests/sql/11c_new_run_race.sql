@@ -36,6 +36,8 @@ FROM tests.ids11c AS i;
 DO $$
 BEGIN
     FOR attempt IN 1 .. 500 LOOP
+        -- pg_stat_activity is read once per transaction unless the snapshot is cleared
+        PERFORM pg_stat_clear_snapshot();
         EXIT WHEN EXISTS (SELECT 1 FROM pg_stat_activity AS a
                           WHERE a.query LIKE 'SELECT ql3_ai.admit_in_new_run(%' AND a.wait_event_type = 'Lock');
         PERFORM pg_sleep(0.01);

@@ -160,16 +160,12 @@ PRUNE_MAX_BATCH = 100_000
 
 
 def check_prune(delivered_before: object, batch: object) -> tuple[timedelta, int]:
-    """``prune_outbox``'s arguments, as both stores take them: a retention of 0 to
-    ``MAX_DURATION`` as a timedelta (PostgreSQL's interval) and a batch of
-    1..``PRUNE_MAX_BATCH`` rows."""
+    """``prune_outbox``'s arguments, as both stores take them: a non-negative timedelta
+    (PostgreSQL's interval; one reaching before any representable instant removes nothing)
+    and a batch of 1..``PRUNE_MAX_BATCH`` rows."""
     if not isinstance(delivered_before, timedelta) or delivered_before < timedelta(0):
         raise InvalidArgument(
             "QL3_INVALID_ARGUMENT: delivered_before must be a non-negative interval"
-        )
-    if delivered_before > MAX_DURATION:
-        raise InvalidArgument(
-            f"QL3_INVALID_ARGUMENT: delivered_before must be at most {MAX_DURATION.days} days"
         )
     return delivered_before, check_count("batch", batch, 1, PRUNE_MAX_BATCH)
 

@@ -7,7 +7,7 @@
 -- Rows of other files may be delivered in this database: this file's rows are marked
 -- delivered in 2000, and the cut-off is just after that, so only they can qualify.
 BEGIN;
-SELECT plan(25);
+SELECT plan(28);
 SET LOCAL client_min_messages = warning;
 
 CREATE SCHEMA IF NOT EXISTS tests;
@@ -63,6 +63,10 @@ SELECT is(tests.left18(), '{a1,a2,a3,b1,c1,c2}', 'refused calls removed nothing'
 -- Batches, order, what is kept ----------------------------------------------------------------
 
 SELECT is(ql3.prune_outbox('1000 years', 100000), 0, 'nothing was delivered more than 1000 years ago');
+SELECT is(ql3.prune_outbox('1000000 years', 100000), 0,
+          'a cut-off before any representable instant removes nothing (not 22008, D65)');
+SELECT is(ql3.prune_outbox('2000000000 days', 100000), 0, 'the same with an interval of days');
+SELECT is(tests.left18(), '{a1,a2,a3,b1,c1,c2}', 'far cut-offs removed nothing');
 SELECT is(ql3.prune_outbox(tests.cutoff18(), 1), 1, 'a batch of 1 removes one row');
 SELECT is(tests.left18(), '{a2,a3,b1,c1,c2}', 'the oldest seq went first');
 SELECT is(ql3.prune_outbox(tests.cutoff18(), 100000), 1, 'the next batch removes the one row left to remove');

@@ -136,24 +136,38 @@ def dsn_from_env(dsn: str | None, what: str = "PostgreSQL", *, sqlite: bool = Fa
     return db.dsn_from_env(dsn)
 
 
-def open_store(args: argparse.Namespace, *, sqlite: bool = False) -> PgStore:
+def limit_ms(seconds: float) -> int:
+    """A time limit in seconds as the whole milliseconds of a timeout setting (at least 1)."""
+    return max(1, round(seconds * 1000))
+
+
+def open_store(
+    args: argparse.Namespace, *, sqlite: bool = False, time_limit: float | None = None
+) -> PgStore:
     """The one-connection store of a one-shot command; a database that cannot be reached
-    says why at once (``PgStore.checked``)."""
+    says why at once (``PgStore.checked``). ``time_limit``: the statement timeout of its
+    calls, in seconds (default: ql3's)."""
     what = _on_postgresql(args)
     dsn = dsn_from_env(args.dsn, what, sqlite=sqlite)
     with needs_postgres(what, sqlite=sqlite):
+        from ql3.db import Timeouts
         from ql3.store import PgStore
-    return PgStore.checked(dsn, max_connections=1)
+    timeouts = None if time_limit is None else Timeouts(statement_ms=limit_ms(time_limit))
+    return PgStore.checked(dsn, max_connections=1, timeouts=timeouts)
 
 
-def open_any_store(args: argparse.Namespace) -> Store:
+def open_any_store(args: argparse.Namespace, *, time_limit: float | None = None) -> Store:
     """``open_store``, or with ``--sqlite PATH`` the ``EdgeStore`` of that file, which
-    must exist and be migrated (``EdgeStore.checked``; D58)."""
+    must exist and be migrated (``EdgeStore.checked``; D58). On the file ``time_limit`` is
+    how long a call waits for the write lock (its busy timeout), the bound a call has on
+    PostgreSQL."""
     if getattr(args, "sqlite", None) is not None:
         from ql3.edge import EdgeStore
 
-        return EdgeStore.checked(args.sqlite)
-    return open_store(args, sqlite=True)
+        if time_limit is None:
+            return EdgeStore.checked(args.sqlite)
+        return EdgeStore.checked(args.sqlite, busy_timeout_ms=limit_ms(time_limit))
+    return open_store(args, sqlite=True, time_limit=time_limit)
 
 
 def _revision_put(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ql3 import arguments, errors
-from ql3.cli import add_dsn_or_sqlite, dsn_from_env, needs_postgres, print_json
+from ql3.cli import add_dsn_or_sqlite, open_any_store, print_json
 
 if TYPE_CHECKING:  # imported on use: ``ql3.recovery`` imports this module on a bare install
     from ql3.edge import EdgeStore
@@ -56,8 +56,6 @@ def prune(
 
 def command(args: argparse.Namespace) -> int:
     """``ql3 prune``: prune the outbox, print ``{"removed": n}``."""
-    where = "ql3 prune on PostgreSQL"
-    dsn = None if args.sqlite is not None else dsn_from_env(args.dsn, where, sqlite=True)
     batch = DEFAULT_BATCH if args.batch is None else args.batch
     if not 1 <= batch <= MAX_BATCH:
         raise errors.Misconfigured(f"QL3_INVALID_ARGUMENT: --batch must be 1..{MAX_BATCH}")
@@ -65,19 +63,7 @@ def command(args: argparse.Namespace) -> int:
         arguments.check_seconds("statement_timeout", args.statement_timeout, most=86400.0)
     except errors.InvalidArgument as exc:
         raise errors.Misconfigured(exc.message) from None
-    timeout_ms = max(1, round(args.statement_timeout * 1000))
-    store: PgStore | EdgeStore
-    if dsn is None:
-        from ql3.edge import EdgeStore
-
-        store = EdgeStore.checked(args.sqlite, busy_timeout_ms=timeout_ms)
-    else:
-        with needs_postgres(where, sqlite=True):
-            from ql3.db import Timeouts
-            from ql3.store import PgStore
-        timeouts = Timeouts(statement_ms=timeout_ms)
-        store = PgStore.checked(dsn, max_connections=1, timeouts=timeouts)
-    with store:
+    with open_any_store(args, time_limit=args.statement_timeout) as store:
         removed = prune(store, args.delivered_before, batch)
     print_json(
         {"removed": removed, "delivered_before_seconds": args.delivered_before.total_seconds()}

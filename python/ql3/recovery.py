@@ -44,7 +44,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ql3 import arguments, errors
-from ql3.cli import add_dsn_or_sqlite, dsn_from_env, needs_postgres, print_json
+from ql3.cli import (
+    add_dsn_or_sqlite,
+    dsn_from_env,
+    limit_ms,
+    needs_postgres,
+    open_any_store,
+    print_json,
+)
 from ql3.edge import EdgeStore
 from ql3.http_status import StatusServer, serve_status
 from ql3.invocations import MAX_RECOVERY_LIMIT, format_timestamp, recovery_arguments
@@ -659,16 +666,13 @@ def _retention(value: timedelta | None, environ: Mapping[str, str]) -> float | N
     return value.total_seconds()
 
 
-def owned_store(dsn: str, config: RecoveryConfig, *, checked: bool = False) -> PgStore:
-    """The one-connection store of ``ql3 recover``, bounded by ``config.statement_timeout``
-    (``checked``: connect once directly first, so that an unreachable database says why)."""
+def owned_store(dsn: str, config: RecoveryConfig) -> PgStore:
+    """The one-connection store of the recovery daemon, bounded by
+    ``config.statement_timeout``."""
     with needs_postgres("ql3 recover on PostgreSQL", sqlite=True):
         from ql3.db import Timeouts
         from ql3.store import PgStore
-    statement_ms = max(1, round(config.statement_timeout * 1000))
-    timeouts = Timeouts(statement_ms=statement_ms)
-    if checked:
-        return PgStore.checked(dsn, max_connections=1, timeouts=timeouts)
+    timeouts = Timeouts(statement_ms=limit_ms(config.statement_timeout))
     return PgStore(dsn, max_connections=1, timeouts=timeouts)
 
 
@@ -726,13 +730,6 @@ def serve(store: Store | str, config: RecoveryConfig) -> int:
     return 0
 
 
-def edge_store(path: str, config: RecoveryConfig) -> EdgeStore:
-    """The ``EdgeStore`` of ``--sqlite``: an existing, migrated file (``EdgeStore.checked``);
-    ``statement_timeout`` bounds its busy wait, as it bounds a batch on PostgreSQL (D58)."""
-    busy_ms = max(1, round(config.statement_timeout * 1000))
-    return EdgeStore.checked(path, busy_timeout_ms=busy_ms)
-
-
 def command(args: argparse.Namespace) -> int:
     """``ql3 recover``: one bounded call, or the daemon with ``--loop``; on PostgreSQL, or
     with ``--sqlite`` on an edge device's file."""
@@ -746,14 +743,9 @@ def command(args: argparse.Namespace) -> int:
         configure_logging(args.log_level or os.environ.get("QL3_LOG_LEVEL") or "info")
         if dsn is not None:
             return serve(dsn, config)
-        with edge_store(args.sqlite, config) as edge:
-            return serve(edge, config)
-    store: Store
-    if dsn is not None:
-        store = owned_store(dsn, config, checked=True)
-    else:
-        store = edge_store(args.sqlite, config)
-    with store:
+    with open_any_store(args, time_limit=config.statement_timeout) as store:
+        if args.loop:  # on an edge file
+            return serve(store, config)
         print_json(store.recover_expired(config.limit, config.grace_seconds))
     return 0
 

@@ -75,7 +75,7 @@ def test_ai_off_creates_no_ai_table_and_no_ai_ledger_row(db_path: Path) -> None:
     assert tables(db_path) == CORE_TABLES
     assert rows(db_path, "SELECT version, name FROM schema_history ORDER BY version") == [
         (1, "canonical"), (2, "contracts"), (3, "runs"), (4, "test_clock"),
-        (5, "prune_far_cutoff"),
+        (5, "prune_far_cutoff"), (6, "step_checks_in_functions"), (7, "validate_step_checks"),
     ]  # fmt: skip
 
 
@@ -86,9 +86,10 @@ def test_ai_on_later_adds_its_tables_with_its_own_ledger(db_path: Path) -> None:
         assert store.ready().ok
     assert tables(db_path) == CORE_TABLES | AI_TABLES
     assert rows(db_path, "SELECT stream, version, name FROM ql3_ai_feature_history") == [
-        ("ql3_ai", 1, "invocations"),
+        ("ql3_ai", 1, "invocations"), ("ql3_ai", 2, "checks_in_functions"),
+        ("ql3_ai", 3, "validate_completion_check"),
     ]  # fmt: skip
-    assert rows(db_path, "SELECT count(*) FROM schema_history") == [(5,)]
+    assert rows(db_path, "SELECT count(*) FROM schema_history") == [(7,)]
     checksums = rows(db_path, "SELECT checksum FROM ql3_ai_feature_history ORDER BY version")
     files = sorted((EDGE_SQL_ROOT / "ql3_ai").glob("*.sql"))
     assert checksums == [(hashlib.sha256(f.read_bytes()).hexdigest(),) for f in files]

@@ -9,7 +9,7 @@ SET LOCAL client_min_messages = warning;  -- TRUNCATE ... CASCADE below is refus
 \ir lib/invocation_helpers.sql
 \ir lib/privilege_helpers.sql
 
-SELECT plan(590);
+SELECT plan(605);
 
 -- Schema and catalogue -----------------------------------------------------------------------
 
@@ -33,7 +33,8 @@ SELECT functions_are(
     'ql3_ai',
     ARRAY['admit_invocation', 'admit_in_new_run', 'complete_invocation', 'resolve_invocation', 'recover_expired',
           'usage_summary', '_check_shape', '_checked_digest', '_uuid', '_check_sha256', '_timestamp', '_utc', '_identities',
-          '_verify_receipt', '_identity_taken', '_write_completion', '_require_resolution', '_admit'],
+          '_verify_receipt', '_identity_taken', '_write_completion', '_require_resolution', '_admit',
+          '_completion_valid'],
     'ql3_ai holds exactly these functions (each is covered by the privilege matrix below)'
 );
 SELECT is_empty(
@@ -193,7 +194,12 @@ FROM (VALUES
     (19, 'ql3', '_refuse_step_transition', '{}', '{}'),
     (20, 'ql3_ai', '_identity_taken', '{text,text,text}', '{}'),
     (21, 'ql3_ai', 'admit_in_new_run', '{jsonb}', '{ql3_runtime}'),
-    (22, 'ql3_ai', '_admit', '{jsonb,boolean}', '{}')
+    (22, 'ql3_ai', '_admit', '{jsonb,boolean}', '{}'),
+    -- The CHECK and WHEN helpers (D67): a constraint or a trigger's WHEN runs them as the
+    -- writer, and only the owner's functions write these tables.
+    (23, 'ql3', '_step_state_valid', '{text,text,text,text}', '{}'),
+    (24, 'ql3', '_step_transition_refused', '{text,text}', '{}'),
+    (25, 'ql3_ai', '_completion_valid', '{text,text,boolean}', '{}')
 ) AS f (ord, schema_name, function_name, args, grantees)
 CROSS JOIN (VALUES
     (1, 'ql3_runtime'::name), (2, 'ql3_relay'), (3, 'ql3_operator'), (4, 'ql3_reader'), (5, 'public')

@@ -198,6 +198,8 @@ VALUES
     ('ql3._lock_pointer(text,text,text,text)', '{}', FALSE),
     ('ql3._revision_of(uuid)', '{}', FALSE),
     ('ql3._refuse_step_transition()', '{}', FALSE),
+    ('ql3._step_state_valid(text,text,text,text)', '{}', FALSE),  -- CHECK and WHEN helpers (D67)
+    ('ql3._step_transition_refused(text,text)', '{}', FALSE),
     ('ql3._now()', '{}', FALSE),
     ('ql3_ai.admit_invocation(jsonb)', '{ql3_runtime}', TRUE),
     ('ql3_ai.admit_in_new_run(jsonb)', '{ql3_runtime}', TRUE),
@@ -217,7 +219,8 @@ VALUES
     ('ql3_ai._verify_receipt(text,text,jsonb,text)', '{}', FALSE),
     ('ql3_ai._identity_taken(text,text,text)', '{}', FALSE),
     ('ql3_ai._write_completion(ql3_ai.model_invocation_starts,bigint,jsonb,text,boolean)', '{}', FALSE),
-    ('ql3_ai._admit(jsonb,boolean)', '{}', FALSE);
+    ('ql3_ai._admit(jsonb,boolean)', '{}', FALSE),
+    ('ql3_ai._completion_valid(text,text,boolean)', '{}', FALSE);
 
 SELECT set_eq(
     $$SELECT p.oid::regprocedure::text FROM pg_proc AS p

@@ -57,9 +57,8 @@ def prune(
 def command(args: argparse.Namespace) -> int:
     """``ql3 prune``: prune the outbox, print ``{"removed": n}``."""
     batch = DEFAULT_BATCH if args.batch is None else args.batch
-    if not 1 <= batch <= MAX_BATCH:
-        raise errors.Misconfigured(f"QL3_INVALID_ARGUMENT: --batch must be 1..{MAX_BATCH}")
     try:
+        arguments.check_count("--batch", batch, 1, MAX_BATCH)
         arguments.check_seconds("statement_timeout", args.statement_timeout, most=86400.0)
     except errors.InvalidArgument as exc:
         raise errors.Misconfigured(exc.message) from None
